@@ -1,0 +1,3 @@
+"""omnistage: a compact inference engine for omni-modal models."""
+
+__version__ = "0.1.0"
