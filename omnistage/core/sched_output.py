@@ -1,0 +1,58 @@
+"""What the scheduler tells the worker each step: plain data, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omnistage.multimodal.inputs import MultiModalFeatureSpec
+from omnistage.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen, or one resumed after preemption.
+
+    ``token_ids`` are all known tokens (prompt, then outputs generated before
+    a preemption); ``num_prompt_tokens`` tells them apart. A new request with
+    ``num_computed_tokens > 0`` starts with a KV prefix-cache hit: its first
+    ``num_computed_tokens // block_size`` blocks hold cached contents.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """A running request the worker already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to the request's block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> indices into that request's mm_features whose encoder runs this step.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that left since the last step: finished, aborted or preempted.
+    # The worker drops their rows (committing deferred tensor-cache writes of
+    # finished ones first, discarding those of aborted and preempted ones).
+    finished_req_ids: set[str] = field(default_factory=set)
+    aborted_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Encoder-cache entries evicted by the scheduler; the worker frees them first.
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

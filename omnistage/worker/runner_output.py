@@ -1,0 +1,21 @@
+"""What the worker hands back to the scheduler after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Requests that sampled a token this step (a prefill chunk that does not
+    # reach the end of the prompt samples nothing), in batch order.
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Log-probability of the sampled token, and of the top-k when asked.
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Per-request per-token tensors for a downstream stage (prefix rows merged
+    # in from the tensor prefix cache on a hit); None when no stage reads them.
+    hidden_states: dict[str, torch.Tensor] | None = None
+    multimodal_outputs: dict[str, dict[str, object]] | None = None
