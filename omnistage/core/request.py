@@ -35,7 +35,7 @@ _FINISH_REASON = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: ids are unique
 class Request:
     """Token ids, progress and stop rules of one request.
 
@@ -59,6 +59,10 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache at first schedule; -1 = not yet
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # SHA-256 of each full block of ``all_token_ids`` (chained, see
+    # ``core.kv_cache_utils``); extended by the scheduler as blocks fill up.
+    block_hashes: list[bytes] = field(default_factory=list)
+    first_scheduled_time: float | None = None  # time.monotonic() at first schedule, for TTFT / queueing metrics
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -82,3 +86,24 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the last output token calls for, or None.
+
+        Stop tokens come first (a model that chose to stop reports "stop" even
+        on its last allowed token) and only once ``min_tokens`` are out; then
+        the length limits. Sets ``stop_reason`` for a stop token id.
+        """
+        sp = self.sampling_params
+        token = self.output_token_ids[-1]
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if sp.max_tokens is not None and self.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

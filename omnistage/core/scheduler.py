@@ -1,0 +1,338 @@
+"""Continuous batching: which tokens of which requests run in the next step."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from omnistage.core.config import SchedulerConfig
+from omnistage.core.kv_cache_manager import KVCacheManager
+from omnistage.core.kv_cache_utils import update_block_hashes
+from omnistage.core.request import Request, RequestStatus
+from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from omnistage.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and preemption by recompute.
+
+    Each ``schedule()`` spends a budget of ``max_num_batched_tokens`` tokens:
+    first on running requests in arrival order (a decode takes one token, an
+    unfinished prefill its next chunk), then on waiting requests in arrival
+    order, at most ``max_num_seqs`` running. Any prompt may be chunked. A
+    waiting request that does not fit blocks the ones behind it, so a long
+    prompt is never starved by short ones.
+
+    ``num_computed_tokens`` is advanced when a request is *scheduled*, not
+    when the step's output comes back: after ``schedule()`` it counts the
+    tokens whose KV will exist once the step ran. The ``num_computed_tokens``
+    sent to the worker (``NewRequestData``/``CachedRequestData``) is the value
+    *before* this step's tokens, where the worker's positions start.
+
+    A request samples a token in the step that computes its last known token
+    (``num_computed + scheduled == num_tokens``); partial prefill chunks
+    sample nothing.
+
+    When the pool runs out of blocks for a running request, the latest-arrived
+    running request is preempted: its blocks are freed (full ones stay cached)
+    and it goes back to the front of the waiting queue, to be resumed first
+    and recomputed from its prompt plus the tokens generated so far.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # Invariant: both in arrival order, and every running request arrived
+        # before every waiting one. Admission takes the head of ``waiting`` to
+        # the tail of ``running``; preemption moves the tail of ``running`` to
+        # the head of ``waiting``. So ``running[-1]`` is always the latest
+        # arrival, and FCFS needs no sorting.
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # left since the last schedule(), the worker held them
+        self._aborted_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------
+
+    def max_len(self, request: Request) -> int:
+        if request.max_model_len is None:
+            return self.config.max_model_len
+        return min(self.config.max_model_len, request.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError, adding nothing, if it can never run."""
+        self._validate(request)
+        if self.config.enable_prefix_caching:
+            update_block_hashes(request, self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _validate(self, request: Request) -> None:
+        rid = request.request_id
+        where = f"request {rid!r}"
+        if rid in self.requests:
+            raise ValueError(f"{where}: a request with this id is already scheduled; ids must be unique")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+            raise ValueError(
+                f"{where}: expected a fresh request (WAITING, nothing computed), got {request.status.name}"
+            )
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"{where}: the prompt is empty; expected at least one token")
+        max_len = self.max_len(request)
+        if num_prompt > max_len:
+            raise ValueError(f"{where}: the prompt has {num_prompt} tokens, expected at most max_model_len={max_len}")
+        # KV is written for every token but the final sampled one.
+        max_tokens = request.sampling_params.max_tokens
+        last = max_len if max_tokens is None else min(num_prompt + max_tokens, max_len)
+        need = self.kv_cache_manager.num_blocks_for(max(num_prompt, last - 1))
+        if need > self.config.num_kv_blocks:
+            raise ValueError(
+                f"{where}: needs up to {need} KV blocks of {self.block_size} tokens "
+                f"({num_prompt} prompt tokens, up to {last} in all), expected at most the pool's "
+                f"{self.config.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
+            )
+        prev_end = 0
+        for i, f in enumerate(request.mm_features):
+            off, length = f.mm_position.offset, f.mm_position.length
+            if off < prev_end or off + length > num_prompt:
+                raise ValueError(
+                    f"{where}: mm_features[{i}] spans [{off}, {off + length}); expected spans sorted by "
+                    f"offset, not overlapping, within the {num_prompt}-token prompt"
+                )
+            prev_end = off + length
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step loop (stop strings, aborts).
+        Unknown or already finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_requests: expected a finished status, got {status.name}")
+        for rid in [req_ids] if isinstance(req_ids, str) else req_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Free a request already removed from ``running``/``waiting``."""
+        if request.status is RequestStatus.RUNNING:  # only then does the worker hold a row
+            aborted = status is RequestStatus.FINISHED_ABORTED
+            (self._aborted_ids if aborted else self._finished_ids).add(request.request_id)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        num_scheduled: dict[str, int] = {}
+        encoder_inputs: dict[str, list[int]] = {}
+        preempted: set[str] = set()
+
+        # 1. Running requests: decodes and the next chunk of unfinished prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n, enc = self._schedule_encoder_inputs(
+                request, request.num_computed_tokens, self._num_new_tokens(request, budget)
+            )
+            if n == 0:
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, n, preempted)
+            if new_blocks is None:  # preempted itself: it was the last one
+                break
+            cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            self._commit(request, n, enc, num_scheduled, encoder_inputs)
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, unless blocks already ran out this step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            n, enc = self._schedule_encoder_inputs(request, num_hit, self._num_new_tokens(request, budget, num_hit))
+            if n == 0:
+                break
+            new_blocks = kv.allocate_slots(request, n, hit_blocks, num_hit)
+            if new_blocks is None:
+                if not self.running:  # nothing else holds blocks: it can never fit
+                    raise self._pool_too_small(request, num_hit + n)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            # A resumed request is new to the worker too: send all its known tokens.
+            new_reqs.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                request.sampling_params, list(kv.get_block_ids(request.request_id)), num_hit,
+                list(request.mm_features),
+            ))  # fmt: skip
+            self._commit(request, n, enc, num_scheduled, encoder_inputs)
+            budget -= n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            scheduled_encoder_inputs=encoder_inputs,
+            finished_req_ids=self._finished_ids,
+            aborted_req_ids=self._aborted_ids,
+            preempted_req_ids=preempted,
+        )
+        self._finished_ids, self._aborted_ids = set(), set()
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        n = min(request.num_tokens - computed, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _schedule_encoder_inputs(self, request: Request, start: int, num_new_tokens: int) -> tuple[int, list[int]]:
+        """Which of the request's multimodal items to encode for the window
+        ``[start, start + num_new_tokens)``, and that window shrunk to what the
+        encoder budget allows. Decides only: encoder-cache entries are taken
+        in ``_commit``, once the KV blocks are secured, so a request that then
+        gets no blocks holds nothing. No encoder cache yet (EncoderCacheManager
+        slots in here): the window stays as is and no item is scheduled."""
+        return num_new_tokens, []
+
+    def _commit(self, request: Request, n: int, enc: list[int], num_scheduled: dict, encoder_inputs: dict) -> None:
+        num_scheduled[request.request_id] = n
+        if enc:
+            encoder_inputs[request.request_id] = enc
+        request.num_computed_tokens += n  # advanced at schedule time (see the class docstring)
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: set[str]) -> list[int] | None:
+        """Blocks for ``n`` more tokens of a running request, preempting the
+        latest-arrived running requests until they fit. None if ``request``
+        itself had to go."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, n)
+            if new_blocks is not None:
+                return new_blocks
+            if len(self.running) == 1:  # it alone holds blocks and the whole pool is not enough
+                raise self._pool_too_small(request, request.num_computed_tokens + n)
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)  # resumed first: it arrived before everything waiting
+
+    def _pool_too_small(self, request: Request, num_tokens: int) -> RuntimeError:
+        return RuntimeError(
+            f"KV cache too small: request {request.request_id!r} alone needs "
+            f"{self.kv_cache_manager.num_blocks_for(num_tokens)} blocks for {num_tokens} tokens, "
+            f"the pool has {self.config.num_kv_blocks} blocks of {self.block_size} tokens; "
+            f"raise num_kv_blocks or lower max_model_len"
+        )
+
+    # -- step results --------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's sampled tokens; return the requests that got a new
+        token (finished ones included, with their status set)."""
+        kv = self.kv_cache_manager
+        sampled = runner_output.sampled_token_ids
+        updated: list[Request] = []
+        any_finished = False
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished since it was scheduled
+            kv.cache_blocks(request, request.num_computed_tokens)  # their KV exists now
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # partial prefill chunk: a token sampled for it would be discarded
+            token = sampled.get(rid)
+            if token is None:
+                # Without a token the request would wait forever for one.
+                raise RuntimeError(
+                    f"request {rid!r} computed all its {request.num_tokens} tokens this step, "
+                    f"expected a sampled token in ModelRunnerOutput.sampled_token_ids, got none"
+                )
+            request.append_output_token(int(token))
+            if self.config.enable_prefix_caching:
+                update_block_hashes(request, self.block_size)
+            status = request.check_stop(self.max_len(request))
+            if status is not None:
+                self._finish(request, status)
+                any_finished = True
+            updated.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.finished]
+        return updated
+
+    # -- introspection -------------------------------------------------------
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_cache_query_tokens=kv.stats.query_tokens,
+            prefix_cache_hit_tokens=kv.stats.hit_tokens,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
