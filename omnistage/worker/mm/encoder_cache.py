@@ -105,18 +105,18 @@ class EncoderCache:
     def __init__(self) -> None:
         self.mm_features: dict[str, list[MultiModalFeatureSpec]] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}
-        self._indices: dict[str, RequestFeatureIndex] = {}
+        self.feature_indices: dict[str, RequestFeatureIndex] = {}
 
     def add_request(self, req_id: str, mm_features: list[MultiModalFeatureSpec]) -> None:
         """Register (or replace) a request's items; validates their order."""
         index = RequestFeatureIndex(req_id, mm_features)
         self.mm_features[req_id] = mm_features
-        self._indices[req_id] = index
+        self.feature_indices[req_id] = index
 
     def remove_request(self, req_id: str) -> None:
         """Forget a request's items. Its encoder outputs stay (they are shared)."""
         self.mm_features.pop(req_id, None)
-        self._indices.pop(req_id, None)
+        self.feature_indices.pop(req_id, None)
 
     def free_encoder_cache(self, mm_hash: str) -> None:
         """Drop one encoder output; freeing an absent hash is a no-op."""
@@ -134,10 +134,10 @@ class EncoderCache:
                 f"request {req_id} has no registered multimodal items: expected "
                 "EncoderCache.add_request to have been called when it was admitted"
             )
-        index = self._indices.get(req_id)
+        index = self.feature_indices.get(req_id)
         if index is None or not index.is_current(features):
             index = RequestFeatureIndex(req_id, features)
-            self._indices[req_id] = index
+            self.feature_indices[req_id] = index
         return index
 
     def __len__(self) -> int:

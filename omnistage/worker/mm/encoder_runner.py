@@ -36,14 +36,15 @@ class MultiModalEmbedder(Protocol):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
-def _as_int_list(name: str, values: Any, count: int) -> list[int]:
+def _as_array(name: str, values: Any, count: int) -> np.ndarray:
+    """The first ``count`` entries of a per-request 1-D array (a view)."""
     array = np.asarray(values)
     if array.ndim != 1 or array.shape[0] < count:
         raise ValueError(
             f"gather_mm_embeddings: {name} must be a 1-D array with at least "
             f"{count} entries (one per request), got shape {array.shape}"
         )
-    return array[:count].tolist()
+    return array[:count]
 
 
 class EncoderRunner:
@@ -164,10 +165,14 @@ class EncoderRunner:
         exactly at the processed end may enter its window; that item is used if
         cached and skipped (token embedding kept) if not. Any other miss raises.
 
-        Returns ``(rows, is_mm_embed)``: views of the encoder outputs, each with
-        a ``.modality`` attribute, ordered by request then offset, and a CPU
-        bool mask ``[total_num_scheduled_tokens]`` of the slots they fill.
+        Returns ``(rows, is_mm_embed)``: read-only views of the encoder
+        outputs, each with a ``.modality`` attribute, ordered by request then
+        offset, and a CPU bool mask ``[total_num_scheduled_tokens]`` of the
+        slots they fill. Raises RuntimeError on a miss inside the processed
+        range and on a cached output whose row count differs from the item's.
         """
+        if draft_lookahead < 0:
+            raise ValueError(f"gather_mm_embeddings: expected draft_lookahead >= 0, got {draft_lookahead}")
         num_tokens = int(total_num_scheduled_tokens)
         num_reqs = len(req_ids)
         mask = np.zeros(num_tokens, dtype=bool)
@@ -176,21 +181,43 @@ class EncoderRunner:
         if num_reqs == 0:
             return mm_embeds, is_mm_embed
 
-        computed = _as_int_list("num_computed_tokens", num_computed_tokens, num_reqs)
-        scheduled = _as_int_list("num_scheduled_tokens", num_scheduled_tokens, num_reqs)
-        starts = _as_int_list("query_start_loc", query_start_loc, num_reqs)
-        prefill = _as_int_list("prefill_lens", prefill_lens, num_reqs)
+        computed_np = _as_array("num_computed_tokens", num_computed_tokens, num_reqs)
         if draft_lookahead:
-            computed = [nc + draft_lookahead for nc in computed]
+            computed_np = computed_np + draft_lookahead  # never mutate the caller's array
         if self.is_realtime:
             active = range(num_reqs)
         else:
-            active = [i for i in range(num_reqs) if computed[i] < prefill[i]]
-            if not active:  # every request is decoding: no prompt items in reach
+            in_prompt = computed_np < _as_array("prefill_lens", prefill_lens, num_reqs)
+            if not in_prompt.any():  # every request is decoding: no prompt items in reach
                 return mm_embeds, is_mm_embed
+            active = np.flatnonzero(in_prompt).tolist()
+        computed = computed_np.tolist()
+        scheduled = _as_array("num_scheduled_tokens", num_scheduled_tokens, num_reqs).tolist()
+        starts = _as_array("query_start_loc", query_start_loc, num_reqs).tolist()
+        self._gather_windows(
+            req_ids, active, computed, scheduled, starts, num_tokens, draft_lookahead, mask, mm_embeds
+        )
+        return mm_embeds, is_mm_embed
 
-        outputs = self.encoder_cache.encoder_outputs
-        feature_index = self.encoder_cache.feature_index
+    # Inference mode makes each row view cheaper to create; the views are only
+    # ever read. The mask tensor is created outside it so callers may edit it.
+    @torch.inference_mode()
+    def _gather_windows(
+        self,
+        req_ids: list[str],
+        active: Sequence[int],
+        computed: list[int],
+        scheduled: list[int],
+        starts: list[int],
+        num_tokens: int,
+        draft_lookahead: int,
+        mask: np.ndarray,
+        mm_embeds: list[torch.Tensor],
+    ) -> None:
+        cache = self.encoder_cache
+        outputs = cache.encoder_outputs
+        registered = cache.mm_features
+        indices = cache.feature_indices
         append = mm_embeds.append
         for i in active:
             slot = starts[i]
@@ -202,7 +229,14 @@ class EncoderRunner:
                 )
             qs = computed[i]
             qe = qs + count
-            index = feature_index(req_ids[i])
+            req_id = req_ids[i]
+            index = indices.get(req_id)
+            if (
+                index is None
+                or index.features is not registered.get(req_id)
+                or index.num_features != len(index.features)
+            ):
+                index = cache.feature_index(req_id)  # rebuild (or raise if unregistered)
             lo = bisect_right(index.max_ends, qs)
             hi = bisect_left(index.offsets, qe, lo)
             if lo == hi:
@@ -242,7 +276,9 @@ class EncoderRunner:
                         f"request {req_ids[i]} at offset {off}); refusing to gather a "
                         "stale or colliding cache entry"
                     )
-                item = out[rs:re_]
+                # A whole item needs no slicing: detach() makes a fresh alias
+                # (to carry the modality attribute) more cheaply than a slice.
+                item = out.detach() if re_ - rs == num_embeds else out[rs:re_]
                 item.modality = modality
                 append(item)
                 a = off + shift
@@ -251,7 +287,6 @@ class EncoderRunner:
                 else:
                     piece = mask[a + s : a + e]
                     piece |= embed_mask[s:e]
-        return mm_embeds, is_mm_embed
 
     # ------------------------------------------------------------------ merge
 
