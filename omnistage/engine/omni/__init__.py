@@ -1,0 +1,28 @@
+"""Multi-stage omni pipelines (thinker -> talker -> token2wav).
+
+Each stage is an engine of its own (scheduler, KV cache, model runner) and
+stages exchange plain per-request data (``stage_io``). The design, and what
+is still to build, is in ``docs/omni_pipeline.md``; the model-specific stage
+math lives in ``omnistage.models.qwen2_5_omni_talker`` and
+``omnistage.models.qwen2_5_omni_token2wav``.
+"""
+
+from omnistage.engine.omni.stage_io import (
+    DEFAULT_SPEAKER,
+    AudioOutput,
+    Stage,
+    TalkerRequest,
+    Token2WavRequest,
+    resolve_speaker,
+    talker_sampling_defaults,
+)
+
+__all__ = [
+    "DEFAULT_SPEAKER",
+    "AudioOutput",
+    "Stage",
+    "TalkerRequest",
+    "Token2WavRequest",
+    "resolve_speaker",
+    "talker_sampling_defaults",
+]
