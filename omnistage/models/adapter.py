@@ -1,0 +1,120 @@
+"""The engine's view of a Hugging Face ``*ForCausalLM``.
+
+The HF modules do all the model math; we only swap their attention function
+for omnistage's paged one (:data:`~omnistage.worker.attention.ATTN_IMPL`) and
+run the base model on a step's packed tokens as a batch of one. The LM head
+is kept apart so the runner computes logits only for the tokens it samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from omnistage.worker.attention import ATTN_IMPL, AttentionMetadata, attention_context
+
+
+class CausalLM:
+    """A decoder-only HF model running over omnistage's paged KV cache.
+
+    Construction switches ``hf_model`` to ``ATTN_IMPL`` in place and puts it
+    in eval mode; afterwards the HF model only runs inside
+    :meth:`forward` (it needs the step's attention context).
+    """
+
+    def __init__(self, hf_model: PreTrainedModel) -> None:
+        hf_model.eval()
+        hf_model.set_attn_implementation(ATTN_IMPL)
+        if hf_model.config._attn_implementation != ATTN_IMPL:
+            raise ValueError(
+                f"{type(hf_model).__name__} did not accept attention implementation {ATTN_IMPL!r} "
+                f"(it kept {hf_model.config._attn_implementation!r}); its attention layers do not use "
+                "transformers' AttentionInterface"
+            )
+        self._hf = hf_model
+        self._base = getattr(hf_model, "model", None) or hf_model.get_decoder()
+        self._embed = hf_model.get_input_embeddings()
+        self._lm_head = hf_model.get_output_embeddings()
+        text = self.text_config
+        self._num_layers = int(text.num_hidden_layers)
+        num_heads = int(text.num_attention_heads)
+        self._num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
+        self._head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
+        self._hidden_size = int(text.hidden_size)
+        self._vocab_size = int(text.vocab_size)
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        return self._hf
+
+    @property
+    def text_config(self) -> PretrainedConfig:
+        return self._hf.config.get_text_config()
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._embed.weight.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states ``[T, hidden]`` of a step's packed tokens.
+
+        ``input_ids`` is ``[T]``; ``positions`` is ``[T]``, or ``[3, T]`` for
+        M-RoPE models. Pass ``inputs_embeds`` ``[T, hidden]`` instead of ids
+        when multimodal embeddings were merged in (``input_ids`` is then
+        ignored).
+        """
+        if len(kv_caches) != self._num_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for a model with {self._num_layers} layers")
+        position_ids = positions[None] if positions.dim() == 1 else positions[:, None]  # batch dim of one
+        with attention_context(attn_metadata, kv_caches):
+            if inputs_embeds is not None:
+                out = self._base(inputs_embeds=inputs_embeds[None], position_ids=position_ids, use_cache=False)
+            else:
+                out = self._base(input_ids=input_ids[None], position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state[0]
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab]`` fp32 logits for the ``N`` rows that sample."""
+        return self._lm_head(hidden_states).float()
+
+    @torch.inference_mode()
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids -> ``[T, hidden]`` input embeddings."""
+        return self._embed(input_ids)

@@ -1,0 +1,169 @@
+"""Load a causal LM, its tokenizer and its stop tokens from a local checkpoint.
+
+Accepted sources: a checkpoint folder (config.json, safetensors weights,
+tokenizer files), a ``.gguf`` file (converted once to a cached folder), or
+``None`` for the embedded default model. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.utils import logging as hf_logging
+
+from omnistage.models.adapter import CausalLM
+from omnistage.models.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
+from omnistage.models.gguf_convert import cached_gguf_checkpoint
+
+# Model types whose HF attention goes through AttentionInterface with full
+# (non-sliding) causal attention, checked against HF's own forward in tests.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine, with what the engine needs to drive it."""
+
+    model: CausalLM
+    tokenizer: object  # a transformers tokenizer (PreTrainedTokenizerBase)
+    hf_config: PretrainedConfig
+    eos_token_ids: list[int]
+    max_model_len: int
+    model_path: str
+    name: str
+
+
+@contextmanager
+def hf_progress_bars_off() -> Iterator[None]:
+    """Silence HF's per-load progress bars (an engine loads on every start), then restore them."""
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)} or a torch.dtype") from None
+
+
+def resolve_model_path(model: str | Path | None) -> tuple[Path, str]:
+    """``(checkpoint folder, display name)`` for a folder, a ``.gguf`` file or ``None``."""
+    if model is None:
+        return default_model_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model path {str(path)!r} does not exist; expected a local checkpoint folder "
+            "(config.json, *.safetensors, tokenizer files) or a .gguf file"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or a checkpoint folder")
+        name = DEFAULT_MODEL_NAME if path.resolve() == _default_gguf_or_none() else path.stem
+        return cached_gguf_checkpoint(path), name
+    _check_folder(path)
+    return path, path.resolve().name
+
+
+def _default_gguf_or_none() -> Path | None:
+    try:
+        return default_gguf_path().resolve()
+    except FileNotFoundError:
+        return None
+
+
+def _check_folder(path: Path) -> None:
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(path.glob("*.safetensors")):
+        missing.append("model weights (*.safetensors)")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({' or '.join(_TOKENIZER_FILES)})")
+    if missing:
+        raise ValueError(f"checkpoint folder {str(path)!r} lacks {', '.join(missing)}")
+
+
+def check_supported(config: PretrainedConfig, path: Path) -> None:
+    """Raise ``ValueError`` unless paged attention reproduces this model exactly."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{str(path)!r}: architecture {getattr(config, 'architectures', None)} (model_type {model_type!r}) "
+            f"is not supported; omnistage runs model types {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"{str(path)!r}: sliding-window attention is not supported by omnistage's paged attention "
+            f"(use_sliding_window={getattr(config, 'use_sliding_window', None)}, layer_types={set(layer_types)})"
+        )
+
+
+def eos_token_ids(path: Path, config: PretrainedConfig, tokenizer: object) -> list[int]:
+    """Stop ids from generation_config.json, then config.json, then the tokenizer, deduplicated."""
+    ids: list[int] = []
+    sources: list[object] = []
+    if (path / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    sources.append(getattr(config, "eos_token_id", None))
+    sources.append(getattr(tokenizer, "eos_token_id", None))
+    for source in sources:
+        for token_id in source if isinstance(source, (list, tuple)) else [source]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+def load_model(
+    model: str | Path | None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load ``model`` (folder, ``.gguf`` file or ``None`` = default) for omnistage."""
+    torch_dtype = resolve_dtype(dtype)
+    path, name = resolve_model_path(model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"{str(path)!r}: cannot read config.json ({exc})") from exc
+    check_supported(config, path)
+    with hf_progress_bars_off():
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    hf_model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text_config = config.get_text_config()
+    max_len = getattr(text_config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
+    return LoadedModel(
+        model=CausalLM(hf_model),
+        tokenizer=tokenizer,
+        hf_config=config,
+        eos_token_ids=eos_token_ids(path, config, tokenizer),
+        max_model_len=int(max_len),
+        model_path=str(path),
+        name=name,
+    )

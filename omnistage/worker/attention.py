@@ -1,0 +1,297 @@
+"""Paged attention plugged into Hugging Face modeling code.
+
+HF attention modules project q/k/v, apply RoPE from ``position_ids`` and then
+call whatever function ``config._attn_implementation`` names in
+``transformers.AttentionInterface``. We register :data:`ATTN_IMPL` there, so
+any model that follows that interface (Llama, Qwen2, Qwen3, ...) runs over
+our paged KV cache without being re-implemented. The name is deliberately
+absent from ``AttentionMaskInterface``: ``create_causal_mask`` then returns
+``None`` early and HF never builds a dense mask.
+
+The step's packed tokens come in as one "batch" of shape ``[1, heads, T, D]``;
+:class:`AttentionMetadata` (built once per step, shared by every layer) holds
+the indices and masks that turn that into per-sequence attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from omnistage.worker.input_batch import BatchStep
+from omnistage.worker.kv_cache import allocate_kv_caches, gather_kv, write_kv
+
+__all__ = [
+    "ATTN_IMPL",
+    "AttentionMetadata",
+    "allocate_kv_caches",
+    "attention_context",
+    "build_attention_metadata",
+    "get_attention_context",
+    "paged_attention_forward",
+]
+
+ATTN_IMPL = "omnistage_paged"
+
+# Step kinds, cheapest first. The kind picks the attention path for every layer.
+DECODE = "decode"  # one query per sequence, context read from the cache
+PREFILL_SINGLE = "prefill_single"  # one sequence, nothing cached yet: causal SDPA on this step's k/v
+PREFILL = "prefill"  # several sequences, nothing cached yet: this step's k/v, padded
+MIXED = "mixed"  # anything else: padded queries over each sequence's cached blocks
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention inputs, built once and read by every layer.
+
+    Padded layouts have one row per sequence and ``max_query_len`` query
+    columns; ``query_index``/``output_index`` map between them and the packed
+    tokens (``None`` when every sequence has the same query length, so a
+    view suffices). ``attn_mask`` is boolean, True = may attend; rows of
+    padding queries still see key 0, so no softmax row is empty.
+    """
+
+    kind: str
+    num_reqs: int
+    num_tokens: int
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    slot_mapping: torch.Tensor  # [T] int64, -1 = not stored
+    query_start_loc: torch.Tensor  # [R + 1]
+    seq_lens: torch.Tensor  # [R]
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    write_slots: torch.Tensor  # slots of the tokens that are stored
+    write_token_index: torch.Tensor | None = None  # those tokens, None = all
+    gather_block_ids: torch.Tensor | None = None  # [R * blocks_per_seq] int64, for cache reads
+    single_kv_len: int | None = None  # one sequence: read exactly this many keys, no mask
+    query_index: torch.Tensor | None = None  # [R * Lq] packed token of each padded query
+    output_index: torch.Tensor | None = None  # [T] padded row of each packed token
+    attn_mask: torch.Tensor | None = None  # [R, 1, Lq, Lk] bool
+    _grouped: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def grouped_mask(self, group: int) -> torch.Tensor | None:
+        """``attn_mask`` for queries laid out as ``[Hkv, R, group * Lq, D]`` (see ``_attend_cache``).
+
+        Made by the first layer that asks, then shared. With one query per
+        sequence the ``[1, R, 1, Lk]`` view broadcasts over the group rows.
+        """
+        if self.attn_mask is None:
+            return None
+        mask = self._grouped.get(group)
+        if mask is None:
+            r, _, lq, lk = self.attn_mask.shape
+            mask = self.attn_mask.view(1, r, lq, lk)
+            if lq > 1 and group > 1:
+                mask = mask.unsqueeze(2).expand(1, r, group, lq, lk).reshape(1, r, group * lq, lk)
+            self._grouped[group] = mask
+        return mask
+
+
+def build_attention_metadata(step: BatchStep, block_size: int) -> AttentionMetadata:
+    """Indices and masks for one step, from the host-side arrays of ``step``.
+
+    Everything is computed with numpy on the host and copied once, so the
+    layers do no index arithmetic and no host-device synchronisation.
+    """
+    device = step.input_ids.device
+    n = np.asarray(step.num_scheduled_tokens, dtype=np.int64)
+    computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
+    seq_lens = np.asarray(step.seq_lens, dtype=np.int64)
+    qsl = np.asarray(step.query_start_loc, dtype=np.int64)
+    r, t = len(n), int(qsl[-1]) if len(qsl) else 0
+    if r == 0 or t == 0:
+        raise ValueError("build_attention_metadata: the step schedules no tokens")
+    max_q, max_seq = int(n.max()), int(seq_lens.max())
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    slots = step.slot_mapping.to(torch.int64)
+    # The only host read of a device tensor; slot ids are tiny and the step has not started.
+    host_slots = (slots if slots.device.type == "cpu" else slots.cpu()).numpy()
+    valid = host_slots >= 0
+    write_index = None
+    write_slots = slots
+    if not valid.all():
+        keep = np.flatnonzero(valid)
+        write_index, write_slots = dev(keep), dev(host_slots[keep])
+
+    if not computed.any():
+        kind = PREFILL_SINGLE if r == 1 else PREFILL
+    else:
+        kind = DECODE if max_q == 1 else MIXED
+    md = AttentionMetadata(
+        kind=kind,
+        num_reqs=r,
+        num_tokens=t,
+        block_size=block_size,
+        max_query_len=max_q,
+        max_seq_len=max_seq,
+        slot_mapping=slots,
+        query_start_loc=dev(qsl),
+        seq_lens=dev(seq_lens),
+        block_table=step.block_table,
+        write_slots=write_slots,
+        write_token_index=write_index,
+    )
+    if kind == PREFILL_SINGLE:
+        return md
+
+    cols = np.arange(max_q)
+    if kind != DECODE and not (n == max_q).all():
+        md.query_index = dev((qsl[:-1, None] + np.minimum(cols[None, :], n[:, None] - 1)).reshape(-1))
+        md.output_index = dev(np.repeat(np.arange(r) * max_q - qsl[:-1], n) + np.arange(t))
+    if kind == PREFILL:
+        # Key j of row i is visible when j <= i, clipped to the row's last real token.
+        limit = np.minimum(cols[None, :], n[:, None] - 1)
+        if md.query_index is not None:
+            md.attn_mask = dev(np.arange(max_q)[None, None, None, :] <= limit[:, None, :, None])
+        return md
+
+    blocks_per_seq = -(-max_seq // block_size)
+    table = step.block_table
+    if table.shape[0] != r or table.shape[1] < blocks_per_seq:
+        raise ValueError(
+            f"block_table has shape {tuple(table.shape)}; expected {r} rows and at least "
+            f"{blocks_per_seq} columns for max_seq_len={max_seq}, block_size={block_size}"
+        )
+    ids = table[:, :blocks_per_seq].to(torch.int64)
+    used = np.arange(blocks_per_seq)[None, :] < (-(-seq_lens // block_size))[:, None]
+    if not used.all():
+        ids = ids * dev(used)  # stale entries past a row's blocks -> block 0, masked out below
+    md.gather_block_ids = ids.reshape(-1)
+    kv_len = blocks_per_seq * block_size
+    if r == 1:
+        md.single_kv_len = kv_len = int(seq_lens[0])
+        if kind == DECODE:
+            return md
+    limit = np.minimum(computed[:, None] + cols[None, :], seq_lens[:, None] - 1)  # [R, Lq]
+    if kind == DECODE and (limit == kv_len - 1).all():
+        return md
+    md.attn_mask = dev(np.arange(kv_len)[None, None, None, :] <= limit[:, None, :, None])
+    return md
+
+
+@dataclass
+class ForwardContext:
+    """What the attention function needs besides its q/k/v: the step and the caches."""
+
+    metadata: AttentionMetadata
+    kv_caches: Sequence[torch.Tensor]
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def attention_context(metadata: AttentionMetadata, kv_caches: Sequence[torch.Tensor]) -> Iterator[ForwardContext]:
+    """Make ``metadata`` and ``kv_caches`` visible to :func:`paged_attention_forward`.
+
+    A module global rather than a forward kwarg: HF passes unknown kwargs
+    through most models, but not all, and a global costs nothing per layer.
+    """
+    global _context
+    previous = _context
+    _context = ForwardContext(metadata, kv_caches)
+    try:
+        yield _context
+    finally:
+        _context = previous
+
+
+def get_attention_context() -> ForwardContext | None:
+    return _context
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface function: ``[1, H, T, D]`` q and ``[1, Hkv, T, D]`` k/v in,
+    ``[1, T, H, D]`` out.
+
+    Writes this step's keys/values into the layer's paged cache, then lets
+    each sequence's queries attend to its own context. HF's
+    ``attention_mask`` is ``None`` here (no mask function is registered for
+    ``ATTN_IMPL``); causality comes from the step metadata.
+    """
+    ctx = _context
+    if ctx is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPL!r} was called outside omnistage's attention_context(); "
+            "run the model through omnistage.models.adapter.CausalLM.forward"
+        )
+    md = ctx.metadata
+    cache = ctx.kv_caches[module.layer_idx]
+    write_kv(cache, key[0], value[0], md.write_slots, md.write_token_index)
+    kind = md.kind
+    if kind == DECODE or kind == MIXED:
+        return _attend_cache(query, cache, md, scaling), None
+    gqa = query.shape[1] != key.shape[1]
+    if kind == PREFILL_SINGLE:
+        # One fresh sequence: the packed batch already is its causal layout.
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2), None
+    # Several fresh sequences: nothing to read from the cache, pad this step's q/k/v per sequence.
+    q, k, v = _pad(query, md), _pad(key, md), _pad(value, md)
+    mask = md.attn_mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
+    out = out.transpose(1, 2)  # [R, Lq, H, D]
+    if md.output_index is not None:
+        out = out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, md.output_index)
+    return out.reshape(1, md.num_tokens, out.shape[-2], out.shape[-1]), None
+
+
+def _pad(x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    """Packed ``[1, heads, T, D]`` -> padded ``[R, heads, Lq, D]``."""
+    x = x[0]
+    if md.query_index is not None:
+        x = x.index_select(1, md.query_index)
+    return x.view(x.shape[0], md.num_reqs, md.max_query_len, x.shape[2]).transpose(0, 1)
+
+
+def _attend_cache(
+    query: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata, scaling: float | None
+) -> torch.Tensor:
+    """Queries over each sequence's cached blocks (decode, chunked prefill, prefix hits).
+
+    Grouped-query attention without repeating K/V: the ``group`` query heads
+    that share a KV head become that KV head's query rows, so q is
+    ``[Hkv, R, group * Lq, D]`` against K/V ``[Hkv, R, Lk, D]`` straight from
+    :func:`gather_kv`. HF orders heads so that query head ``h`` reads KV head
+    ``h // group``, which is what viewing ``H`` as ``(Hkv, group)`` gives.
+    """
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = cache.shape[1]
+    group = num_heads // num_kv_heads
+    r, lq = md.num_reqs, md.max_query_len
+    q = query[0].view(num_kv_heads, group, num_tokens, head_dim)  # [Hkv, G, T, D]
+    if md.query_index is not None:
+        q = q.index_select(2, md.query_index)
+    # [Hkv, G, R, Lq, D] -> [Hkv, R, G * Lq, D]; for decode (Lq == 1) this is a small copy of q only.
+    q = q.view(num_kv_heads, group, r, lq, head_dim).transpose(1, 2).reshape(num_kv_heads, r, group * lq, head_dim)
+    k, v = gather_kv(cache, md.gather_block_ids, r)
+    if md.single_kv_len is not None:
+        k, v = k[:, :, : md.single_kv_len], v[:, :, : md.single_kv_len]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.grouped_mask(group), scale=scaling)
+    # [Hkv, R, G * Lq, D] -> [R, Lq, Hkv, G, D] -> packed [T, H, D]
+    out = out.view(num_kv_heads, r, group, lq, head_dim).permute(1, 3, 0, 2, 4).reshape(r * lq, num_heads, head_dim)
+    if md.output_index is not None:
+        out = out.index_select(0, md.output_index)
+    return out.view(1, md.num_tokens, num_heads, head_dim)
+
+
+AttentionInterface.register(ATTN_IMPL, paged_attention_forward)
