@@ -1,3 +1,32 @@
 """omnistage: a compact inference engine for omni-modal models."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from omnistage.engine.arg_utils import EngineArgs
+    from omnistage.engine.llm_engine import LLMEngine
+    from omnistage.entrypoints.llm import LLM
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+# Importing these pulls in torch and transformers; keep `import omnistage` light.
+_LAZY = {
+    "LLM": "omnistage.entrypoints.llm",
+    "LLMEngine": "omnistage.engine.llm_engine",
+    "EngineArgs": "omnistage.engine.arg_utils",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omnistage' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,177 @@
+"""From scheduler-updated requests to the RequestOutputs callers see.
+
+Holds, per user request, its completions (one per child request when
+``n > 1``): detokenizer, stop strings, logprobs and metrics. Text is
+cumulative; while a completion runs, the last ``len(longest stop) - 1``
+characters are held back, so the visible text only ever grows even when a
+stop string later turns out to straddle a step and is cut off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omnistage.core.request import Request
+from omnistage.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from omnistage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from omnistage.worker.runner_output import ModelRunnerOutput
+
+
+@dataclass
+class CompletionState:
+    """One child request and the text built from its tokens."""
+
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    def __post_init__(self) -> None:
+        params = self.request.sampling_params
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        if params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_token_ids(self, token_ids: list[int], logprobs: dict[int, float] | None) -> bool:
+        """Consume new tokens; True when a stop string ended the completion."""
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs.get(token_ids[-1], 0.0)
+        num_new = len(self.detok.add_tokens(token_ids))
+        if self.request.finished:
+            num_new += len(self.detok.flush())
+        text = self.detok.text
+        if self.stop and num_new:
+            hit = find_stop_string(text, num_new, self.stop)
+            if hit is not None:
+                stop, idx = hit
+                self.text = text[: idx + len(stop)] if self.include_stop else text[:idx]
+                self.finish_reason, self.stop_reason = "stop", stop
+                return True
+        if self.request.finished:
+            self.finish_reason = self.request.status.finish_reason
+            self.stop_reason = self.request.stop_reason
+            self.text = text
+        else:
+            self.text = text[: max(0, len(text) - self.holdback)]
+        return False
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.detok.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+
+@dataclass
+class RequestState:
+    """A user request: its prompt, its completions and its timings."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[CompletionState]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def to_output(self) -> RequestOutput:
+        first = self.completions[0].request
+        cached = max(0, first.num_cached_tokens)
+        self.metrics.num_cached_tokens = cached
+        self.metrics.first_scheduled_time = first.first_scheduled_time
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.to_output() for c in self.completions],
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=cached,
+        )
+
+
+class OutputProcessor:
+    """Per-request output state, keyed by user request id and by child id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.children: dict[str, tuple[RequestState, CompletionState]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.states or request_id in self.children
+
+    def add_request(
+        self, request_id: str, prompt: str | None, children: list[Request], arrival_time: float
+    ) -> RequestState:
+        completions = [
+            CompletionState(i, child, IncrementalDetokenizer(self.tokenizer, child.sampling_params.skip_special_tokens))
+            for i, child in enumerate(children)
+        ]
+        state = RequestState(
+            request_id, prompt, list(children[0].prompt_token_ids), completions, RequestMetrics(arrival_time)
+        )
+        self.states[request_id] = state
+        for c in completions:
+            self.children[c.request.request_id] = (state, c)
+        return state
+
+    def pop_request(self, request_id: str) -> list[str]:
+        """Forget a user request; returns the child ids still unfinished."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return []
+        for c in state.completions:
+            self.children.pop(c.request.request_id, None)
+        return [c.request.request_id for c in state.completions if not c.finished]
+
+    def process(
+        self, updated: list[Request], runner_output: ModelRunnerOutput, now: float
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Outputs of the user requests touched this step, and the child ids
+        that a stop string finished (the scheduler must still be told)."""
+        touched: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for req in updated:
+            entry = self.children.get(req.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            state, comp = entry
+            if comp.finished:
+                continue
+            new_ids = req.output_token_ids[len(comp.detok.token_ids) :]
+            if new_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                stop = comp.add_token_ids(new_ids, runner_output.logprobs.get(req.request_id))
+                if stop and not req.finished:
+                    stopped.append(req.request_id)
+            elif req.finished:
+                comp.add_token_ids([], None)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.metrics.finished_time = now
+                self.pop_request(state.request_id)
+            outputs.append(state.to_output())
+        return outputs, stopped

@@ -1,0 +1,117 @@
+"""Offline inference: ``LLM(...).generate(prompts)`` and ``.chat(messages)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from omnistage.outputs import RequestOutput
+from omnistage.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """A model and its engine, for batch generation in this process.
+
+    ``model=None`` loads the embedded default (SmolLM2-135M-Instruct); other
+    keyword arguments are :class:`EngineArgs` fields (``max_num_seqs``,
+    ``enable_prefix_caching``, ``num_kv_blocks``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, or a dict with ``prompt``
+        or ``prompt_token_ids``; pass one or a list of them.
+        """
+        return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}``) or a list
+        of conversations, rendered with the checkpoint's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        engine = self.llm_engine
+        prompts = [engine.encode_chat(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one each")
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                request_id = str(next(self._ids))
+                engine.add_request(request_id, prompt, sp)
+                order[request_id] = i
+        except ValueError:
+            engine.abort_request(list(order))  # leave the engine as it was
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = _progress(len(prompts)) if use_tqdm else None
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm comes with transformers, but stay usable without it
+        return None
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,170 @@
+"""Server metrics in the Prometheus text exposition format (version 0.0.4).
+
+Counters and the time-to-first-token histogram are updated by the serving
+code on the event loop thread (one writer, so no locks). Gauges that describe
+the engine (KV-cache usage, running/waiting requests, cache hit rates) are read
+from ``engine.get_stats()`` at scrape time, so they are never stale.
+
+Written by hand rather than with ``prometheus_client``: the format is a few
+lines of text and the dependency would be the only one for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "omnistage"
+
+# Seconds; spans a tiny CPU model (ms) to a long queue on a large one (tens of s).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+
+
+def _num(v: float) -> str:
+    v = float(v)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if v.is_integer() and abs(v) < 2**53:
+        return str(int(v))
+    return repr(v)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        idx = bisect.bisect_left(self.buckets, value)
+        if idx < len(self.counts):
+            self.counts[idx] += 1
+        self.total += value
+        self.n += 1
+
+
+class ServerMetrics:
+    """What the server counts itself; engine gauges are passed in at render time."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[tuple[str, str], ...], int] = defaultdict(int)
+        self.finish_reasons: dict[str, int] = defaultdict(int)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+
+    def record_request(self, endpoint: str, outcome: str) -> None:
+        """outcome: success | client_error | server_error | aborted (client went away)."""
+        self.requests[(("endpoint", endpoint), ("outcome", outcome))] += 1
+
+    def record_tokens(self, prompt: int, generated: int, cached: int) -> None:
+        self.prompt_tokens += prompt
+        self.generation_tokens += generated
+        self.cached_prompt_tokens += cached
+
+    def record_finish(self, reason: str | None) -> None:
+        self.finish_reasons[reason or "none"] += 1
+
+    def record_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def render(self, engine_stats: dict[str, float]) -> str:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, tuple, float]]) -> None:
+            full = f"{PREFIX}_{name}"
+            lines.append(f"# HELP {full} {help_}")
+            lines.append(f"# TYPE {full} {kind}")
+            for suffix, labels, value in samples:
+                lines.append(f"{full}{suffix}{_labels(labels)} {_num(value)}")
+
+        metric(
+            "requests_total", "counter", "Finished HTTP generation requests by endpoint and outcome.",
+            [("", k, v) for k, v in sorted(self.requests.items())],
+        )
+        metric(
+            "request_finish_reason_total", "counter", "Finished completions (choices) by finish reason.",
+            [("", (("reason", r),), v) for r, v in sorted(self.finish_reasons.items())],
+        )
+        metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", (), self.prompt_tokens)])
+        metric("generation_tokens_total", "counter", "Tokens generated.", [("", (), self.generation_tokens)])
+        metric(
+            "cached_prompt_tokens_total", "counter", "Prompt tokens served by the KV prefix cache.",
+            [("", (), self.cached_prompt_tokens)],
+        )
+        h = self.ttft
+        samples: list[tuple[str, tuple, float]] = []
+        cumulative = 0
+        for bound, count in zip(h.buckets, h.counts):
+            cumulative += count
+            samples.append(("_bucket", (("le", _num(bound)),), cumulative))
+        samples.append(("_bucket", (("le", "+Inf"),), h.n))
+        samples.append(("_sum", (), h.total))
+        samples.append(("_count", (), h.n))
+        metric("time_to_first_token_seconds", "histogram", "Time from request arrival to its first token.", samples)
+
+        gauges = [
+            ("num_requests_running", "Requests being stepped by the engine."),
+            ("num_requests_waiting", "Requests queued for admission."),
+            ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1)."),
+            ("kv_cache_blocks_used", "KV-cache blocks in use."),
+            ("kv_cache_blocks_total", "KV-cache blocks in the pool."),
+            ("prefix_cache_hit_rate", "KV prefix cache: hit tokens / queried tokens since start."),
+            ("encoder_cache_hit_rate", "Encoder cache: hit items / queried items since start (0 with no multimodal model)."),
+        ]
+        for name, help_ in gauges:
+            metric(name, "gauge", help_, [("", (), float(engine_stats.get(name, 0.0)))])
+        counters = [
+            ("prefix_cache_queries_total", "Prompt tokens looked up in the KV prefix cache."),
+            ("prefix_cache_hits_total", "Prompt tokens found in the KV prefix cache."),
+        ]
+        for name, help_ in counters:
+            metric(name, "counter", help_, [("", (), float(engine_stats.get(name, 0.0)))])
+        return "\n".join(lines) + "\n"
+
+
+def normalize_engine_stats(stats: Any) -> dict[str, float]:
+    """Map ``engine.get_stats()`` (``EngineStats``, or a dict) onto the gauge names above.
+
+    Fields are read by name with ``getattr``/``get`` and default to 0, so a
+    renamed engine field degrades one gauge instead of breaking /metrics.
+    """
+    if stats is None:
+        return {}
+
+    def get(name: str) -> float:
+        value = stats.get(name, 0.0) if isinstance(stats, dict) else getattr(stats, name, 0.0)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+    used, total = get("kv_blocks_used"), get("kv_blocks_total")
+    queries, hits = get("prefix_cache_query_tokens"), get("prefix_cache_hit_tokens")
+    enc_queries, enc_hits = get("encoder_cache_queries"), get("encoder_cache_hits")
+    return {
+        "num_requests_running": get("num_running_reqs"),
+        "num_requests_waiting": get("num_waiting_reqs"),
+        "kv_cache_blocks_used": used,
+        "kv_cache_blocks_total": total,
+        "kv_cache_usage_ratio": used / total if total else 0.0,
+        "prefix_cache_queries_total": queries,
+        "prefix_cache_hits_total": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "encoder_cache_hit_rate": enc_hits / enc_queries if enc_queries else 0.0,
+    }

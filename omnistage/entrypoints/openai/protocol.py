@@ -1,0 +1,293 @@
+"""Pydantic models of the OpenAI wire format that the server speaks.
+
+Requests are strict (``extra="forbid"``): a misspelt parameter is a 400 naming
+it, not a silently ignored value. OpenAI parameters we accept but cannot act
+on are listed explicitly and checked to hold their neutral value. Responses
+mirror OpenAI's field names so the official ``openai`` client parses them.
+
+Content parts of chat messages are kept as raw dicts here and validated one by
+one in ``parse_content_part``, because a pydantic union over them reports
+errors at paths a client cannot read (``content.list[...].image_url``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from omnistage.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Loose(BaseModel):
+    """Nested request objects: OpenAI adds fields to these over time, so ignore extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
+class AudioOutputParams(_Loose):
+    voice: str = Field(min_length=1)
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16", "aac"] = "wav"
+
+
+class ResponseFormat(_Loose):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _SamplingFields(_Request):
+    """Parameters shared by chat and text completions, with OpenAI's ranges."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # int64, so seed + completion index (n <= 128) stays within what torch generators take.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extensions (sent through ``extra_body`` by the openai client).
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOutputParams | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted and ignored: they describe bookkeeping on OpenAI's side, not generation.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Chat-template knobs (vLLM extension).
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+# Content parts of a chat message. ``parse_content_part`` picks one by ``type``.
+
+
+class TextPart(_Loose):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Loose):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Loose):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(_Loose):
+    data: str = Field(min_length=1)
+    format: Literal["wav", "mp3"]
+
+
+class AudioPart(_Loose):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = TextPart | ImagePart | AudioPart
+
+_PART_ADAPTERS: dict[str, TypeAdapter[Any]] = {
+    "text": TypeAdapter(TextPart),
+    "image_url": TypeAdapter(ImagePart),
+    "input_audio": TypeAdapter(AudioPart),
+}
+
+
+def parse_content_part(raw: dict[str, Any], param: str) -> ContentPart:
+    """Validate one content part; ``param`` is its path (``messages[0].content[1]``)."""
+    kind = raw.get("type")
+    adapter = _PART_ADAPTERS.get(kind) if isinstance(kind, str) else None
+    if adapter is None:
+        raise bad_request(
+            f"Invalid content part type {kind!r} at {param}; expected one of {sorted(_PART_ADAPTERS)}",
+            param=f"{param}.type",
+            code="invalid_content_part",
+        )
+    try:
+        return adapter.validate_python(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc, prefix=param) from None
+
+
+def parse_request(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body against a request model, or raise an APIError."""
+    if not isinstance(body, dict):
+        raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def unsupported(param: str, why: str) -> APIError:
+    return bad_request(f"Parameter {param!r} is not supported: {why}", param=param, code="unsupported_parameter")
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "omnistage"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,281 @@
+"""``POST /v1/chat/completions``: messages -> chat template -> engine -> choices.
+
+Order of checks, each failing with its own 400: the model name, output
+modalities, unsupported parameters, every message and content part (images and
+audio are decoded and limit-checked even though a text-only model then refuses
+them, so that a broken file is reported as broken rather than as unsupported),
+sampling values, the chat template, and finally the engine's own checks (prompt
+length, token ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from omnistage.entrypoints.openai.engine_client import EngineDeadError, RequestStream
+from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.media import decode_audio, load_image
+from omnistage.entrypoints.openai.protocol import (
+    AudioPart,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    ImagePart,
+    TextPart,
+    TokenLogprob,
+    TopLogprob,
+    parse_content_part,
+    unsupported,
+)
+from omnistage.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    SSEResponse,
+    TTFTClock,
+    add_to_engine,
+    build_sampling_params,
+    clamp_logprob,
+    new_id,
+    record_finished,
+    sse,
+    top_entries,
+    until_disconnect,
+    usage_of,
+)
+from omnistage.outputs import CompletionOutput, RequestOutput
+
+ENDPOINT = "chat"
+
+
+class ChatServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
+        ctx = self.ctx
+        clock = TTFTClock(ctx)  # from here: parsing is done, everything after counts toward TTFT
+        model = ctx.check_model(req.model)
+        self._check_modalities(req)
+        self._check_unsupported(req)
+        messages = await self._convert_messages(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        # max_completion_tokens is the newer name; it wins when both are given.
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = build_sampling_params(req, max_tokens, logprobs)
+        prompt = await self._render(messages, req)
+        request_id = new_id("chatcmpl")
+        stream = await add_to_engine(ctx, request_id, prompt, params, "messages")
+        if req.stream:
+            return SSEResponse(self._stream(req, model, request_id, stream, clock))
+        disconnected, final = await until_disconnect(raw_request, self._collect(request_id, stream, clock))
+        if disconnected:
+            ctx.metrics.record_request(ENDPOINT, "aborted")
+            return JSONResponse({}, status_code=499)  # nobody is left to read it
+        record_finished(ctx, ENDPOINT, [final])
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=[self._choice(c, req) for c in final.outputs],
+            usage=usage_of([final]),
+        )
+        return JSONResponse(response.model_dump())
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_modalities(self, req: ChatCompletionRequest) -> None:
+        modalities = req.modalities or ["text"]
+        missing = [m for m in modalities if m not in self.ctx.output_modalities]
+        if missing:
+            raise bad_request(
+                f"Model {self.ctx.model_name!r} cannot produce {missing} output; it supports "
+                f"modalities {sorted(self.ctx.output_modalities)}",
+                param="modalities",
+                code="unsupported_modality",
+            )
+        if req.audio is not None and "audio" not in modalities:
+            raise bad_request("'audio' output settings require 'modalities' to include 'audio'", param="audio")
+
+    @staticmethod
+    def _check_unsupported(req: ChatCompletionRequest) -> None:
+        if req.tools:
+            raise unsupported("tools", "tool calling is not implemented by this server")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", "tool calling is not implemented by this server")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise unsupported("response_format", f"only type 'text' is accepted, got {req.response_format.type!r}")
+
+    async def _convert_messages(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        """Validate every message and part; return template-ready ``{"role", "content"}`` dicts."""
+        out: list[dict[str, Any]] = []
+        for i, msg in enumerate(req.messages):
+            param = f"messages[{i}]"
+            if msg.tool_calls:
+                raise unsupported(f"{param}.tool_calls", "tool calling is not implemented by this server")
+            if msg.content is None:
+                raise bad_request(f"{param}.content is required", param=f"{param}.content")
+            if isinstance(msg.content, str):
+                text = msg.content
+            else:
+                text = "\n".join(await self._convert_parts(msg.role, msg.content, param))
+            # Most chat templates know no 'developer' role; it is OpenAI's new name for 'system'.
+            role = "system" if msg.role == "developer" else msg.role
+            entry: dict[str, Any] = {"role": role, "content": text}
+            if msg.name:
+                entry["name"] = msg.name
+            out.append(entry)
+        return out
+
+    async def _convert_parts(self, role: str, parts: list[dict[str, Any]], param: str) -> list[str]:
+        ctx = self.ctx
+        texts: list[str] = []
+        for j, raw in enumerate(parts):
+            part_param = f"{param}.content[{j}]"
+            part = parse_content_part(raw, part_param)
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+                continue
+            modality = "image" if isinstance(part, ImagePart) else "audio"
+            if role != "user":
+                raise bad_request(f"{part_param}: only user messages may hold {modality} parts, not {role!r}", param=part_param)
+            # Decode first (off the event loop: a large PNG takes a while), so
+            # corrupt data gets its own error even on a text-only model.
+            if isinstance(part, ImagePart):
+                await asyncio.to_thread(load_image, part.image_url.url, ctx.media_limits, f"{part_param}.image_url.url")
+            elif isinstance(part, AudioPart):
+                await asyncio.to_thread(
+                    decode_audio, part.input_audio.data, part.input_audio.format, ctx.media_limits, f"{part_param}.input_audio"
+                )
+            if modality not in ctx.input_modalities:
+                raise bad_request(
+                    f"{part_param}: model {ctx.model_name!r} does not accept {modality} input "
+                    f"(it accepts {sorted(ctx.input_modalities)})",
+                    param=part_param,
+                    code="unsupported_modality",
+                )
+            # Multimodal checkpoints (a later issue) turn decoded items into
+            # placeholder tokens + encoder inputs here.
+            raise bad_request(f"{part_param}: {modality} input is not wired to the engine yet", param=part_param)
+        return texts
+
+    async def _render(self, messages: list[dict[str, Any]], req: ChatCompletionRequest) -> dict[str, Any]:
+        kwargs = dict(req.chat_template_kwargs or {})
+        add_gen = req.add_generation_prompt
+
+        def render(engine: Any) -> dict[str, Any]:
+            return engine.encode_chat(messages, add_generation_prompt=add_gen, **kwargs)
+
+        try:
+            return await self.ctx.client.call(render)
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
+        except Exception as exc:  # noqa: BLE001 - template errors (role order, bad kwargs) are the client's
+            raise bad_request(f"Could not apply the chat template: {exc}", param="messages", code="invalid_messages") from None
+
+    # ------------------------------------------------------------------ output
+
+    async def _collect(self, request_id: str, stream: RequestStream, clock: TTFTClock) -> RequestOutput:
+        last: RequestOutput | None = None
+        try:
+            async for out in stream:
+                clock.saw(out)
+                last = out
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status_code=500, type="server_error") from None
+        finally:
+            if not stream.finished:
+                self.ctx.client.abort(request_id)
+        assert last is not None
+        return last
+
+    def _logprobs(self, c: CompletionOutput, start: int, req: ChatCompletionRequest) -> ChatChoiceLogprobs | None:
+        if not req.logprobs or c.logprobs is None:
+            return None
+        top_n = req.top_logprobs or 0
+        tok = self.ctx.token_str
+        content = []
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            s = tok(tid)
+            content.append(
+                TokenLogprob(
+                    token=s,
+                    logprob=clamp_logprob(entry.get(tid, float("-inf"))),
+                    bytes=list(s.encode("utf-8")),
+                    top_logprobs=[
+                        TopLogprob(token=tok(t), logprob=clamp_logprob(lp), bytes=list(tok(t).encode("utf-8")))
+                        for t, lp in top_entries(entry, top_n)
+                    ],
+                )
+            )
+        return ChatChoiceLogprobs(content=content)
+
+    def _choice(self, c: CompletionOutput, req: ChatCompletionRequest) -> ChatChoice:
+        return ChatChoice(
+            index=c.index,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=self._logprobs(c, 0, req),
+            finish_reason=c.finish_reason,
+        )
+
+    async def _stream(
+        self, req: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream, clock: TTFTClock
+    ) -> AsyncIterator[bytes]:
+        ctx = self.ctx
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        sent_chars = [0] * req.n
+        sent_tokens = [0] * req.n
+        done = [False] * req.n
+
+        def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> bytes:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+        last: RequestOutput | None = None
+        try:
+            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(req.n)])
+            async for out in stream:
+                clock.saw(out)
+                last = out
+                choices = []
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    delta = c.text[sent_chars[i]:]
+                    new_tokens = len(c.token_ids) - sent_tokens[i]
+                    if not delta and not new_tokens and c.finish_reason is None:
+                        continue
+                    lp = self._logprobs(c, sent_tokens[i], req) if new_tokens else None
+                    choices.append(
+                        ChatChunkChoice(index=i, delta=ChatDelta(content=delta or None), logprobs=lp, finish_reason=c.finish_reason)
+                    )
+                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    done[i] = c.finish_reason is not None
+                if choices:
+                    yield chunk(choices)
+            assert last is not None
+            if include_usage:
+                yield chunk([], usage_of([last]))
+            record_finished(ctx, ENDPOINT, [last])
+            yield SSE_DONE
+        except EngineDeadError as exc:
+            ctx.metrics.record_request(ENDPOINT, "server_error")
+            yield sse(APIError(str(exc), status_code=500, type="server_error").to_body())
+            yield SSE_DONE
+        finally:
+            if not stream.finished:
+                # The client went away (or we are shutting down): free the request's KV blocks now.
+                ctx.client.abort(request_id)
+                ctx.metrics.record_request(ENDPOINT, "aborted")

@@ -1,0 +1,294 @@
+"""What chat and text completions share: the serving context, sampling
+parameters, token strings for logprobs, usage, SSE framing and client
+disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadError, RequestStream
+from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.media import MediaLimits
+from omnistage.entrypoints.openai.metrics import ServerMetrics
+from omnistage.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo, unsupported
+from omnistage.outputs import RequestOutput
+from omnistage.sampling_params import SamplingParams
+
+
+@dataclass
+class ServingContext:
+    """Everything a request handler needs, fixed once the engine has started."""
+
+    client: EngineClient
+    model_names: list[str]
+    model_root: str | None
+    max_model_len: int | None
+    media_limits: MediaLimits
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    input_modalities: frozenset[str] = frozenset({"text"})
+    output_modalities: frozenset[str] = frozenset({"text"})
+    _token_strs: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if name is None or name in self.model_names:
+            return name or self.model_name
+        raise APIError(
+            f"The model {name!r} does not exist; this server serves {self.model_names}",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
+
+    def token_str(self, token_id: int) -> str:
+        """Decoded text of one token (cached; decoding is read-only on the tokenizer,
+        so doing it here, off the engine thread, is safe)."""
+        s = self._token_strs.get(token_id)
+        if s is None:
+            tok = self.client.engine.tokenizer
+            s = tok.decode([token_id], skip_special_tokens=False)
+            if len(self._token_strs) < 1_000_000:
+                self._token_strs[token_id] = s
+        return s
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Map request fields onto ``SamplingParams``; unsupported knobs must be neutral."""
+    if req.frequency_penalty:
+        raise unsupported("frequency_penalty", "only 0 is accepted")
+    if req.presence_penalty:
+        raise unsupported("presence_penalty", "only 0 is accepted")
+    if req.logit_bias:
+        raise unsupported("logit_bias", "this server does not bias logits")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as exc:
+        # "SamplingParams.top_k must be ..." -> param "top_k"
+        msg = str(exc)
+        param = msg.split(" ", 1)[0].removeprefix("SamplingParams.") if msg.startswith("SamplingParams.") else None
+        raise bad_request(msg, param=param, code="invalid_value") from None
+
+
+def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:
+    """A 400 for ``add_request`` refusing a request (too long, bad ids, bad params)."""
+    msg = str(exc)
+    lowered = msg.lower()
+    if "logprobs" in lowered:
+        param = "logprobs"
+    elif "prompt" in lowered or "max_model_len" in lowered or "context" in lowered:
+        param = prompt_param
+    else:
+        param = None
+    code = "context_length_exceeded" if "max_model_len" in lowered or "context" in lowered else "invalid_value"
+    return bad_request(msg, param=param, code=code)
+
+
+async def add_to_engine(ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams, prompt_param: str) -> RequestStream:
+    try:
+        return await ctx.client.add_request(request_id, prompt, params)
+    except ValueError as exc:
+        raise engine_rejection(exc, prompt_param) from None
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
+
+
+def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    """Prompt tokens count once per prompt (not per choice), like OpenAI."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def record_finished(ctx: ServingContext, endpoint: str, outputs: list[RequestOutput]) -> None:
+    usage = usage_of(outputs)
+    ctx.metrics.record_tokens(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
+    for o in outputs:
+        for c in o.outputs:
+            ctx.metrics.record_finish(c.finish_reason)
+    ctx.metrics.record_request(endpoint, "success")
+
+
+class TTFTClock:
+    """Server-side time to first token: from reading the request to the first generated token."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.start = time.monotonic()
+        self.seen = False
+
+    def saw(self, output: RequestOutput) -> None:
+        if not self.seen and any(c.token_ids for c in output.outputs):
+            self.seen = True
+            self.ctx.metrics.record_ttft(time.monotonic() - self.start)
+
+
+def sse(obj: BaseModel | dict) -> bytes:
+    if isinstance(obj, BaseModel):
+        payload = obj.model_dump_json(exclude_none=False)
+    else:
+        payload = json.dumps(obj)
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose producer is cancelled the moment the client leaves.
+
+    Starlette's StreamingResponse (ASGI >= 2.4) notices a disconnect only when
+    the next write fails, and leaves the generator to the garbage collector. A
+    request still queued behind others writes nothing for a while, so here a
+    watcher task races the producer and cancels it on ``http.disconnect``; the
+    generator's ``finally`` then aborts the engine request and frees its blocks.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            results = await asyncio.gather(pump, watch, return_exceptions=True)
+        exc = results[0]
+        if isinstance(exc, BaseException) and not isinstance(exc, (asyncio.CancelledError, OSError)):
+            raise exc
+
+    async def _pump(self, send: Send) -> None:
+        body = self.body_iterator
+        try:
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await body.aclose()  # type: ignore[union-attr]
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run ``work`` unless the client disconnects first; returns (disconnected, result).
+
+    A non-streaming request has nothing to write until it finishes, so without
+    this a client that gave up would keep its request generating (and holding
+    KV blocks) to the end.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return True, None
+    return False, task.result()
+
+
+# OpenAI reports log-probabilities as finite numbers; -inf (a token the
+# sampler filtered out) would not survive JSON.
+_MIN_LOGPROB = -9999.0
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def top_entries(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
+    """The ``top_n`` most likely tokens of one position, most likely first."""
+    if top_n <= 0:
+        return []
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output), in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                merged.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            merged.put_nowait((i, exc))
+        merged.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

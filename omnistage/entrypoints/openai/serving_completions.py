@@ -1,0 +1,221 @@
+"""``POST /v1/completions``: one or more prompts (text or token ids) -> choices.
+
+Each prompt becomes one engine request (with ``n`` completions); its choices
+are numbered ``prompt_index * n + completion_index`` as OpenAI does. All
+prompts are admitted before any output is sent, so a bad second prompt fails
+the whole call with a 400 and the first one is aborted, not left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from omnistage.entrypoints.openai.engine_client import EngineDeadError, RequestStream
+from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    unsupported,
+)
+from omnistage.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    SSEResponse,
+    TTFTClock,
+    add_to_engine,
+    build_sampling_params,
+    clamp_logprob,
+    merge_streams,
+    new_id,
+    record_finished,
+    sse,
+    top_entries,
+    until_disconnect,
+    usage_of,
+)
+from omnistage.outputs import CompletionOutput, RequestOutput
+
+ENDPOINT = "completions"
+MAX_PROMPTS = 256
+
+
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """The four OpenAI prompt shapes as a list of single prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    if isinstance(prompt[0], int):  # one prompt of token ids
+        return [list(prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", param="prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+class _ChoiceCursor:
+    """What has been sent of one choice: characters, tokens, text offset for logprobs."""
+
+    def __init__(self, offset: int) -> None:
+        self.chars = 0
+        self.tokens = 0
+        self.text_offset = offset
+        self.done = False
+
+
+class CompletionServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Any:
+        ctx = self.ctx
+        clock = TTFTClock(ctx)  # from here: parsing is done, everything after counts toward TTFT
+        model = ctx.check_model(req.model)
+        if req.suffix:
+            raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+        if req.best_of is not None and req.best_of != req.n:
+            raise unsupported("best_of", "only best_of == n (or unset) is accepted")
+        if req.echo and req.logprobs is not None:
+            raise unsupported("echo", "echo with logprobs needs prompt logprobs, which the engine does not compute")
+        prompts = normalize_prompts(req.prompt)
+        params = build_sampling_params(req, req.max_tokens, req.logprobs)
+        base_id = new_id("cmpl")
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        params_of = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
+        # Submit every prompt at once (the engine thread takes them in one turn),
+        # then, if any was refused, abort the ones that got in.
+        results = await asyncio.gather(
+            *(add_to_engine(ctx, rid, p, params, param) for rid, p, param in zip(ids, prompts, params_of)),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for rid, r in zip(ids, results):
+                if not isinstance(r, BaseException):
+                    ctx.client.abort(rid)
+            raise failures[0]
+        streams: list[RequestStream] = list(results)  # type: ignore[arg-type]
+        echoes = [self._echo_text(p) if req.echo else "" for p in prompts]
+        if req.stream:
+            return SSEResponse(self._stream(req, model, base_id, ids, streams, echoes, clock))
+        disconnected, finals = await until_disconnect(raw_request, self._collect(ids, streams, clock))
+        if disconnected:
+            ctx.metrics.record_request(ENDPOINT, "aborted")
+            return JSONResponse({}, status_code=499)
+        record_finished(ctx, ENDPOINT, finals)
+        choices = [
+            self._choice(p_idx * req.n + c.index, c, echoes[p_idx], req)
+            for p_idx, out in enumerate(finals)
+            for c in out.outputs
+        ]
+        response = CompletionResponse(id=base_id, model=model, choices=choices, usage=usage_of(finals))
+        return JSONResponse(response.model_dump())
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.ctx.client.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    async def _collect(self, ids: list[str], streams: list[RequestStream], clock: TTFTClock) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                clock.saw(out)
+                finals[i] = out
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status_code=500, type="server_error") from None
+        finally:
+            for rid, s in zip(ids, streams):
+                if not s.finished:
+                    self.ctx.client.abort(rid)
+        return [f for f in finals if f is not None]
+
+    def _logprobs(self, c: CompletionOutput, cursor: _ChoiceCursor, top_n: int) -> CompletionLogprobs:
+        """Legacy logprobs for the tokens after ``cursor.tokens``; advances the text offset."""
+        tok = self.ctx.token_str
+        lp = CompletionLogprobs()
+        for tid, entry in zip(c.token_ids[cursor.tokens:], (c.logprobs or [])[cursor.tokens:]):
+            s = tok(tid)
+            lp.tokens.append(s)
+            lp.token_logprobs.append(clamp_logprob(entry.get(tid, float("-inf"))))
+            lp.top_logprobs.append({tok(t): clamp_logprob(v) for t, v in top_entries(entry, top_n)})
+            lp.text_offset.append(cursor.text_offset)
+            cursor.text_offset += len(s)
+        return lp
+
+    def _choice(self, index: int, c: CompletionOutput, echo: str, req: CompletionRequest) -> CompletionChoice:
+        lp = None
+        if req.logprobs is not None:
+            lp = self._logprobs(c, _ChoiceCursor(len(echo)), req.logprobs)
+        return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason)
+
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        model: str,
+        base_id: str,
+        ids: list[str],
+        streams: list[RequestStream],
+        echoes: list[str],
+        clock: TTFTClock,
+    ) -> AsyncIterator[bytes]:
+        ctx = self.ctx
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        cursors: dict[int, _ChoiceCursor] = {}
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        def chunk(choices: list[CompletionChoice], usage: Any = None) -> bytes:
+            return sse(CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage))
+
+        try:
+            if req.echo:
+                echo_choices = [
+                    CompletionChoice(index=p * req.n + k, text=echo)
+                    for p, echo in enumerate(echoes)
+                    for k in range(req.n)
+                    if echo
+                ]
+                if echo_choices:
+                    yield chunk(echo_choices)
+            async for p_idx, out in merge_streams(streams):
+                clock.saw(out)
+                finals[p_idx] = out
+                choices = []
+                for c in out.outputs:
+                    index = p_idx * req.n + c.index
+                    cur = cursors.setdefault(index, _ChoiceCursor(len(echoes[p_idx])))
+                    if cur.done:
+                        continue
+                    delta = c.text[cur.chars:]
+                    new_tokens = len(c.token_ids) - cur.tokens
+                    if not delta and not new_tokens and c.finish_reason is None:
+                        continue
+                    lp = self._logprobs(c, cur, req.logprobs) if req.logprobs is not None and new_tokens else None
+                    choices.append(CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason))
+                    cur.chars, cur.tokens = len(c.text), len(c.token_ids)
+                    cur.done = c.finish_reason is not None
+                if choices:
+                    yield chunk(choices)
+            done = [f for f in finals if f is not None]
+            if include_usage:
+                yield chunk([], usage_of(done))
+            record_finished(ctx, ENDPOINT, done)
+            yield SSE_DONE
+        except EngineDeadError as exc:
+            ctx.metrics.record_request(ENDPOINT, "server_error")
+            yield sse(APIError(str(exc), status_code=500, type="server_error").to_body())
+            yield SSE_DONE
+        finally:
+            unfinished = [rid for rid, s in zip(ids, streams) if not s.finished]
+            for rid in unfinished:
+                ctx.client.abort(rid)
+            if unfinished:
+                ctx.metrics.record_request(ENDPOINT, "aborted")

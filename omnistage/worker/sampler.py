@@ -1,0 +1,203 @@
+"""Token sampling for one step, batched over every request that samples.
+
+Greedy, temperature, top-k, top-p and min-p run as one vectorized pass over
+the ``[S, V]`` logits. Draws use the exponential-race trick
+(``argmax(probs / q)`` with ``q ~ Exp(1)``), so a seeded request draws its
+``q`` row from its own generator and gets the same tokens whatever else is in
+the batch; that per-row draw is the only loop over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omnistage.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Sampling settings of the ``S`` rows that sample this step, as tensors.
+
+    Optional tensors are ``None`` when no row in the step uses that filter,
+    so the common all-greedy step is one argmax.
+    """
+
+    temperature: torch.Tensor | None  # [S] fp32; None when every row is greedy
+    greedy: torch.Tensor | None  # [S] bool; None when all greedy or none greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [S] int64, 0 = off
+    top_p: torch.Tensor | None  # [S] fp32, 1.0 = off
+    min_p: torch.Tensor | None  # [S] fp32, 0.0 = off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> per-request RNG
+    num_logprobs: list[int] | None = None  # per row, -1 = not asked; None when no row asks
+    # (row, token) pairs whose logits are forced to -inf (min_tokens holds back EOS / stop ids).
+    banned_rows: torch.Tensor | None = None
+    banned_tokens: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [S] int64
+    sampled_logprobs: torch.Tensor | None = None  # [S] fp32, raw-logit log-softmax
+    topk_token_ids: torch.Tensor | None = None  # [S, N]
+    topk_logprobs: torch.Tensor | None = None  # [S, N]
+
+
+class Sampler:
+    """Turns ``[S, V]`` logits into one token per row.
+
+    Logprobs are those of the model's raw distribution (log-softmax of the
+    logits before temperature, filtering or min_tokens masking), as vLLM and
+    ``transformers`` report them.
+    """
+
+    def __call__(
+        self, logits: torch.Tensor, md: SamplingMetadata, default_generator: torch.Generator | None = None
+    ) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.num_logprobs is not None else None
+        if md.banned_rows is not None:
+            neg_inf = torch.full((), _NEG_INF, device=logits.device)
+            logits = logits.index_put((md.banned_rows, md.banned_tokens), neg_inf)
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(logits, md, default_generator)
+            if md.greedy is not None:
+                sampled = torch.where(md.greedy, logits.argmax(dim=-1), sampled)
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            out.sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+            n = max(md.num_logprobs)
+            if n > 0:
+                out.topk_logprobs, out.topk_token_ids = raw_logprobs.topk(n, dim=-1)
+        return out
+
+    @staticmethod
+    def _sample_random(
+        logits: torch.Tensor, md: SamplingMetadata, default_generator: torch.Generator | None
+    ) -> torch.Tensor:
+        assert md.temperature is not None
+        # Greedy rows get temperature 1 here; their argmax replaces the draw.
+        temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
+        logits = logits / temp.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if md.min_p is not None:
+            cutoff = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < cutoff, 0.0)
+        q = torch.empty_like(probs)
+        if len(md.generators) < q.shape[0]:
+            q.exponential_(generator=default_generator)
+        for row, gen in md.generators.items():
+            q[row].exponential_(generator=gen)
+        return (probs / q).argmax(dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p sets to -inf."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    if top_p is None:
+        # top-k alone: one topk up to the largest k beats a full sort.
+        assert top_k is not None
+        on = top_k > 0
+        k = torch.where(on, top_k.clamp(max=vocab), torch.ones_like(top_k))
+        values = logits.topk(int(k.max()), dim=-1).values
+        kth = values.gather(1, (k - 1).unsqueeze(1))
+        kth = torch.where(on.unsqueeze(1), kth, torch.full_like(kth, _NEG_INF))
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class SamplingState:
+    """Per-row sampling settings, mirrored from the persistent batch's rows.
+
+    Kept as numpy arrays indexed by row so a step's metadata is a handful of
+    fancy-indexing operations rather than a loop over SamplingParams. The
+    owner calls :meth:`set_row` whenever a row gets a (new) request, including
+    when the batch moves its last row into a freed hole.
+    """
+
+    def __init__(self, max_num_reqs: int, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.seeded = np.zeros(max_num_reqs, dtype=bool)
+        self.banned: list[list[int]] = [[] for _ in range(max_num_reqs)]
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.min_tokens[row] = params.min_tokens
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.seeded[row] = params.seed is not None
+        if params.min_tokens > 0:
+            eos = [] if params.ignore_eos else self.eos_token_ids
+            self.banned[row] = sorted(t for t in set(eos) | set(params.stop_token_ids) if 0 <= t < self.vocab_size)
+        else:
+            self.banned[row] = []
+
+    def metadata(
+        self,
+        rows: np.ndarray,
+        req_ids: list[str],
+        num_output_tokens: np.ndarray,
+        generators: dict[str, torch.Generator],
+    ) -> SamplingMetadata:
+        """Metadata for the sampling rows ``rows`` (batch rows, in logits order)."""
+        dev = self.device
+        temp = self.temperature[rows]
+        greedy = temp == 0.0
+        all_greedy = bool(greedy.all())
+        md = SamplingMetadata(
+            temperature=None if all_greedy else torch.from_numpy(temp).to(dev),
+            greedy=None if all_greedy or not greedy.any() else torch.from_numpy(greedy).to(dev),
+            all_greedy=all_greedy,
+            top_k=None,
+            top_p=None,
+            min_p=None,
+        )
+        if not all_greedy:
+            top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
+            if top_k.any():
+                md.top_k = torch.from_numpy(top_k).to(dev)
+            if (top_p < 1.0).any():
+                md.top_p = torch.from_numpy(top_p).to(dev)
+            if min_p.any():
+                md.min_p = torch.from_numpy(min_p).to(dev)
+            for i in np.flatnonzero(self.seeded[rows] & ~greedy):
+                md.generators[int(i)] = generators[req_ids[i]]
+        num_logprobs = self.num_logprobs[rows]
+        if (num_logprobs >= 0).any():
+            md.num_logprobs = num_logprobs.tolist()
+        held = np.flatnonzero(self.min_tokens[rows] > num_output_tokens)
+        pairs = [(int(i), t) for i in held for t in self.banned[rows[i]]]
+        if pairs:
+            r, t = zip(*pairs)
+            md.banned_rows = torch.tensor(r, dtype=torch.int64, device=dev)
+            md.banned_tokens = torch.tensor(t, dtype=torch.int64, device=dev)
+        return md

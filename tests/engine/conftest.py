@@ -1,0 +1,61 @@
+"""Shared fixtures for engine tests: tiny checkpoints, loaded models, HF greedy references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from utils_engine import hf_greedy
+
+from omnistage.models.loader import LoadedModel, load_model
+from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy shared
+    machine the thread barriers cost more than the math. Module scope: the
+    setting is restored before other directories' tests run."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_paths(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    return {arch: write_tiny_checkpoint(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_paths) -> Callable[[str], LoadedModel]:
+    """Loaded models, once per arch; engines share them (each owns its KV caches)."""
+    cache: dict[str, LoadedModel] = {}
+
+    def get(arch: str) -> LoadedModel:
+        if arch not in cache:
+            cache[arch] = load_model(str(tiny_paths[arch]))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_paths) -> Callable[[str, list[int], int], list[int]]:
+    """Greedy continuation from ``transformers.generate`` (no EOS stop), memoized."""
+    models: dict[str, torch.nn.Module] = {}
+    memo: dict[tuple, list[int]] = {}
+
+    def ref(arch: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (arch, tuple(prompt_ids), max_new_tokens)
+        if key not in memo:
+            if arch not in models:
+                models[arch] = AutoModelForCausalLM.from_pretrained(tiny_paths[arch], dtype=torch.float32).eval()
+            memo[key] = hf_greedy(models[arch], prompt_ids, max_new_tokens)
+        return memo[key]
+
+    return ref

@@ -1,0 +1,245 @@
+"""Per-request behaviour: bad input, stop rules, seeds, n > 1, logprobs, chat."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from utils_engine import GREEDY, PROMPTS, assert_pool_clean, make_engine, run_all
+
+from omnistage.sampling_params import SamplingParams
+
+ARCH = "llama"
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_loaded):
+    return tiny_loaded(ARCH)
+
+
+@pytest.fixture
+def engine(loaded):
+    return make_engine(loaded, max_model_len=128)
+
+
+def _ref(hf_reference, loaded, prompt: str, n: int) -> list[int]:
+    return hf_reference(ARCH, loaded.tokenizer.encode(prompt), n)
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def test_bad_requests_raise_and_engine_keeps_serving(engine, loaded, hf_reference):
+    engine.add_request("good", PROMPTS[0], GREEDY)
+    engine.step()
+    vocab = engine.vocab_size
+    bad = {
+        "empty-str": "",
+        "empty-ids": [],
+        "too-long": list(range(1, 129)),  # 128 tokens leave no room in max_model_len=128
+        "out-of-vocab": [1, 2, vocab],
+        "negative-id": [1, -3],
+        "not-ints": [1, "2"],
+        "bad-dict": {"text": "hello"},
+        "bad-type": 3.5,
+    }
+    for rid, prompt in bad.items():
+        with pytest.raises(ValueError, match=rid):
+            engine.add_request(rid, prompt, GREEDY)
+    with pytest.raises(ValueError, match="good"):
+        engine.add_request("good", PROMPTS[1], GREEDY)  # duplicate id
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request("lp", PROMPTS[1], SamplingParams(logprobs=vocab + 1))
+    with pytest.raises(ValueError, match="sampling_params"):
+        engine.add_request("sp", PROMPTS[1], {"temperature": 0.0})
+    for field, value in [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("max_tokens", 0), ("n", 0)]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+    assert engine.get_num_unfinished_requests() == 1
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs["good"].outputs[0].token_ids == _ref(hf_reference, loaded, PROMPTS[0], GREEDY.max_tokens)
+    assert_pool_clean(engine)
+
+
+def test_request_too_big_for_the_pool_is_rejected(loaded):
+    engine = make_engine(loaded, block_size=4, num_kv_blocks=4)
+    with pytest.raises(ValueError, match="big"):
+        engine.add_request("big", PROMPTS[3], SamplingParams(max_tokens=8))
+    (out,) = run_all(engine, ["hello"], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out.outputs[0].token_ids) <= 4
+    assert_pool_clean(engine)
+
+
+# -- stop rules -----------------------------------------------------------------
+
+
+def test_max_tokens_and_token_prompts(engine, loaded, hf_reference):
+    ids = loaded.tokenizer.encode(PROMPTS[1])
+    outs = run_all(engine, [ids, {"prompt_token_ids": ids}, {"prompt": PROMPTS[1]}], GREEDY)
+    ref = _ref(hf_reference, loaded, PROMPTS[1], GREEDY.max_tokens)
+    for o in outs:
+        assert o.outputs[0].token_ids == ref and o.outputs[0].finish_reason == "length"
+        assert o.prompt_token_ids == ids
+    assert outs[0].prompt is None and outs[2].prompt == PROMPTS[1]
+
+
+def test_stop_token_ids(engine, loaded, hf_reference):
+    ref = _ref(hf_reference, loaded, PROMPTS[1], GREEDY.max_tokens)
+    stop = ref[4]
+    (out,) = run_all(engine, [PROMPTS[1]], dataclasses.replace(GREEDY, stop_token_ids=[stop]))
+    c = out.outputs[0]
+    assert c.token_ids == ref[: ref.index(stop) + 1]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+
+
+def test_eos_stops_unless_ignore_eos(loaded, hf_reference):
+    ref = _ref(hf_reference, loaded, PROMPTS[1], GREEDY.max_tokens)
+    eos = ref[3]  # pretend this token is the model's EOS
+    engine = make_engine(dataclasses.replace(loaded, eos_token_ids=[eos]))
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens)
+    stopped, ignored = run_all(engine, [PROMPTS[1]] * 2, [params, dataclasses.replace(params, ignore_eos=True)])
+    assert stopped.outputs[0].token_ids == ref[: ref.index(eos) + 1]
+    assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", None)
+    assert ignored.outputs[0].token_ids == ref and ignored.outputs[0].finish_reason == "length"
+
+
+def test_min_tokens_matches_hf_min_new_tokens(engine, loaded, hf_reference, tiny_paths):
+    ref = _ref(hf_reference, loaded, PROMPTS[1], GREEDY.max_tokens)
+    stop = ref[1]
+    params = dataclasses.replace(GREEDY, stop_token_ids=[stop], min_tokens=5)
+    (out,) = run_all(engine, [PROMPTS[1]], params)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_paths[ARCH], dtype=torch.float32).eval()
+    ids = torch.tensor([loaded.tokenizer.encode(PROMPTS[1])])
+    with torch.no_grad():
+        expect = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens, min_new_tokens=5,
+            do_sample=False, eos_token_id=[stop], pad_token_id=0,
+        )[0, ids.shape[1]:].tolist()  # fmt: skip
+    if stop in expect:
+        expect = expect[: expect.index(stop) + 1]
+    got = out.outputs[0].token_ids
+    assert got == expect
+    assert stop not in got[:5]
+
+
+def test_stop_strings_truncate_text(engine, loaded, hf_reference):
+    full = run_all(engine, [PROMPTS[3]], GREEDY, prefix="full")[0].outputs[0]
+    text = full.text
+    # A stop string from the middle of the answer that does not occur earlier.
+    stop = next(
+        text[i : i + 3]
+        for i in range(len(text) // 3, len(text) - 3)
+        if text.find(text[i : i + 3]) == i and "\ufffd" not in text[i : i + 3]
+    )
+    idx = text.index(stop)
+    plain, incl = run_all(
+        engine, [PROMPTS[3]] * 2,
+        [dataclasses.replace(GREEDY, stop=[stop, "never-appears"]),
+         dataclasses.replace(GREEDY, stop=[stop], include_stop_str_in_output=True)],
+    )  # fmt: skip
+    assert plain.outputs[0].text == text[:idx]
+    assert incl.outputs[0].text == text[: idx + len(stop)]
+    for o in (plain, incl):
+        assert (o.outputs[0].finish_reason, o.outputs[0].stop_reason) == ("stop", stop)
+        assert full.token_ids[: len(o.outputs[0].token_ids)] == o.outputs[0].token_ids
+    assert_pool_clean(engine)
+
+
+def test_streamed_text_only_grows_and_matches_decode(engine, loaded):
+    params = dataclasses.replace(GREEDY, stop=["zzz-not-there"], max_tokens=20)
+    engine.add_request("s", PROMPTS[2], params)
+    seen: list[str] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen.append(o.outputs[0].text)
+    for a, b in zip(seen, seen[1:]):
+        assert b.startswith(a)
+    final_ids = o.outputs[0].token_ids
+    assert seen[-1] == loaded.tokenizer.decode(final_ids, skip_special_tokens=True)
+
+
+# -- sampling -------------------------------------------------------------------
+
+
+def test_seeds_reproducible_across_batches_and_engines(loaded):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=10, ignore_eos=True)
+    alone = run_all(make_engine(loaded), [PROMPTS[1]], seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 3
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[2]]
+    mixed = run_all(make_engine(loaded, seed=5), prompts, [others[0], seeded] + others[1:])
+    assert mixed[1].outputs[0].token_ids == alone
+    other_seed = run_all(make_engine(loaded), [PROMPTS[1]], dataclasses.replace(seeded, seed=8))[0]
+    assert other_seed.outputs[0].token_ids != alone
+    # Unseeded requests repeat under the same engine seed.
+    unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    a = run_all(make_engine(loaded, seed=3), PROMPTS, unseeded)
+    b = run_all(make_engine(loaded, seed=3), PROMPTS, unseeded)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_n_greater_than_one(engine, loaded, hf_reference):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    (out,) = run_all(engine, [PROMPTS[1]], params)
+    assert out.finished and [c.index for c in out.outputs] == [0, 1, 2]
+    for i, c in enumerate(out.outputs):
+        (single,) = run_all(engine, [PROMPTS[1]], dataclasses.replace(params, n=1, seed=11 + i), prefix=f"single{i}-")
+        assert c.token_ids == single.outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    (greedy,) = run_all(engine, [PROMPTS[1]], dataclasses.replace(GREEDY, n=2), prefix="g")
+    ref = _ref(hf_reference, loaded, PROMPTS[1], GREEDY.max_tokens)
+    assert [c.token_ids for c in greedy.outputs] == [ref, ref]
+    engine.add_request("gone", PROMPTS[0], params)
+    engine.step()
+    engine.abort_request("gone")
+    assert_pool_clean(engine)
+
+
+def test_logprobs_equal_hf_log_softmax(engine, loaded, tiny_paths):
+    (out,) = run_all(engine, [PROMPTS[1]], dataclasses.replace(GREEDY, logprobs=3, max_tokens=6))
+    c = out.outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_paths[ARCH], dtype=torch.float32).eval()
+    ids = torch.tensor([out.prompt_token_ids + c.token_ids])
+    with torch.no_grad():
+        logits = hf(ids).logits[0].float()
+    ref = torch.log_softmax(logits[len(out.prompt_token_ids) - 1 : -1], dim=-1)
+    assert len(c.logprobs) == len(c.token_ids)
+    total = 0.0
+    for step, (token, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert lp[token] == pytest.approx(ref[step, token].item(), abs=1e-4)
+        top = ref[step].topk(3)
+        for t, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert lp[t] == pytest.approx(v, abs=1e-4)
+        assert len(lp) <= 4
+        total += lp[token]
+    assert c.cumulative_logprob == pytest.approx(total)
+
+
+# -- chat -------------------------------------------------------------------------
+
+
+def test_chat_template_applied(engine, loaded):
+    messages = [{"role": "user", "content": "hello world!"}]
+    text = engine.apply_chat_template(messages)
+    assert text == loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    prompt = engine.encode_chat(messages)
+    assert prompt["prompt_token_ids"] == loaded.tokenizer.encode(text, add_special_tokens=False)
+    (out,) = run_all(engine, [prompt], GREEDY)
+    assert out.prompt == text and len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_metrics_and_stats(engine):
+    outs = run_all(engine, PROMPTS, GREEDY)
+    for o in outs:
+        m = o.metrics
+        assert m.first_scheduled_time >= m.arrival_time
+        assert 0 < m.time_to_first_token <= m.finished_time - m.arrival_time
+    stats = engine.get_stats()
+    assert stats.num_generated_tokens == len(PROMPTS) * GREEDY.max_tokens
+    assert stats.kv_blocks_total == engine.num_kv_blocks and stats.num_steps > 0
+    assert 0.0 <= stats.prefix_cache_hit_rate <= 1.0

@@ -1,0 +1,55 @@
+"""Servers for the OpenAI-server tests: uvicorn in a background thread on a free
+loopback port, serving tiny local checkpoints (built once per session)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+
+from oai_helpers import TEST_MAX_AUDIO_SECONDS, TEST_MAX_BODY_BYTES, TEST_MAX_IMAGE_PIXELS, TINY_MODEL_NAME, Server, start_server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core
+    machine the thread barriers cost more than the math."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    return {arch: write_tiny_checkpoint(arch, root / arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoints, tmp_path_factory) -> Iterator[Server]:
+    """The shared tiny-llama server, with small media and body limits."""
+    media_dir = tmp_path_factory.mktemp("media")
+    thread, app = start_server(
+        tiny_checkpoints["llama"],
+        TINY_MODEL_NAME,
+        media_dir,
+        max_image_pixels=TEST_MAX_IMAGE_PIXELS,
+        max_audio_seconds=TEST_MAX_AUDIO_SECONDS,
+        max_request_body_bytes=TEST_MAX_BODY_BYTES,
+    )
+    try:
+        yield Server(thread, app, TINY_MODEL_NAME, media_dir)
+    finally:
+        thread.stop()
+
+
+@pytest.fixture
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client

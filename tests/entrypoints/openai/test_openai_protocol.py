@@ -1,0 +1,82 @@
+"""Request models: strict parsing, errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnistage.entrypoints.openai.errors import APIError
+from omnistage.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ImagePart,
+    TextPart,
+    parse_content_part,
+    parse_request,
+)
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _err(model, body) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_request(model, body)
+    assert info.value.status_code == 400
+    return info.value
+
+
+def test_valid_chat_request_defaults() -> None:
+    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": MSG, "stop": "x", "n": 2})
+    assert req.n == 2 and req.stop == "x" and req.stream is False and req.max_tokens is None
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"messages": MSG, "temperature": 3}, "temperature", "less than or equal to 2"),
+        ({"messages": MSG, "top_p": 0}, "top_p", "greater than 0"),
+        ({"messages": MSG, "n": 0}, "n", "greater than or equal to 1"),
+        ({"messages": MSG, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"messages": MSG, "top_logprobs": 21}, "top_logprobs", "20"),
+        ({"messages": MSG, "stop": 5}, "stop", "valid"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'system'"),
+        ({"messages": []}, "messages", "at least 1"),
+        ({"messages": MSG, "temprature": 0.5}, "temprature", "Unrecognized request argument"),
+        ({}, "messages", "Missing required parameter"),
+        ({"messages": MSG, "modalities": ["smell"]}, "modalities[0]", "'text'"),
+    ],
+)
+def test_chat_errors_name_the_field(body, param, words) -> None:
+    err = _err(ChatCompletionRequest, body)
+    assert err.param == param, err.message
+    assert words in err.message
+
+
+def test_body_must_be_object() -> None:
+    assert "JSON object" in _err(ChatCompletionRequest, [1, 2]).message
+
+
+@pytest.mark.parametrize(
+    "prompt", ["hello", ["a", "b"], [1, 2, 3], [[1, 2], [3]]]
+)
+def test_completion_prompt_shapes(prompt) -> None:
+    assert parse_request(CompletionRequest, {"prompt": prompt}).prompt == prompt
+
+
+def test_completion_prompt_required_and_typed() -> None:
+    assert _err(CompletionRequest, {}).param == "prompt"
+    assert _err(CompletionRequest, {"prompt": {"a": 1}}).param == "prompt"
+
+
+def test_content_parts() -> None:
+    assert isinstance(parse_content_part({"type": "text", "text": "x"}, "p"), TextPart)
+    part = parse_content_part({"type": "image_url", "image_url": {"url": "data:,"}}, "p")
+    assert isinstance(part, ImagePart)
+    with pytest.raises(APIError) as info:
+        parse_content_part({"type": "video"}, "messages[0].content[2]")
+    assert info.value.param == "messages[0].content[2].type" and "'video'" in info.value.message
+    with pytest.raises(APIError) as info:
+        parse_content_part({"type": "image_url", "image_url": {}}, "messages[0].content[1]")
+    assert info.value.param == "messages[0].content[1].image_url.url"
+    with pytest.raises(APIError) as info:
+        parse_content_part({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "ogg"}}, "m")
+    assert info.value.param == "m.input_audio.format"

