@@ -9,11 +9,11 @@ ratio ``op / copy`` is the number to watch; absolute times depend on the machine
 Targets: update within 2x of the copy, a no-hit decode merge within 3x, every
 merge with hits within 2x.
 
-A merge with hits returns fresh buffers, and glibc serves large ones (> 32 MiB, or
-after a big free is trimmed) as new pages, faulted in on first touch: the
-``ref: fresh buffer + copy`` row measures that floor. Run with
-``MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184`` to see
-the merges without it (freed memory is then reused; a serving process can do the same).
+A merge with hits returns fresh buffers. By default glibc serves large ones
+(> 32 MiB, or after a big free is trimmed) as new pages, faulted in on first
+touch; the engine turns that off at start-up (``keep_freed_host_memory``) and so
+does this script, as the engine would. ``--default-malloc`` measures without it;
+the ``ref: fresh buffer + copy`` row shows that floor either way.
 
 Usage: python benchmarks/bench_cache_ops.py [--quick]
 
@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from omnistage.worker.host_memory import keep_freed_host_memory
 from omnistage.worker.tensor_prefix_cache import OmniTensorPrefixCache
 
 HIDDEN = 2048
@@ -246,7 +247,10 @@ def measure(op: Callable[[], Any], copy: Callable[[], Any], budget_s: float) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fp32 only, shorter timing")
+    parser.add_argument("--default-malloc", action="store_true", help="keep glibc's default trimming of freed memory")
     args = parser.parse_args()
+    if not args.default_malloc:
+        keep_freed_host_memory()
     torch.set_num_threads(1)
     dtypes = [torch.float32] if args.quick else [torch.float32, torch.bfloat16]
     budget = 0.2 if args.quick else 1.0
