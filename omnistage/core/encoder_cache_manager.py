@@ -28,6 +28,10 @@ class EncoderCacheManager:
       evicted oldest-released first, and only when ``can_allocate`` needs the
       space; eviction is bookkeeping here, the worker drops the tensors when it
       receives ``get_freed_mm_hashes()`` with the next step.
+    - **Retention off.** With ``retain_unreferenced=False`` (the engine's
+      ``enable_encoder_cache=False``) an entry is evicted the moment its last
+      reference goes: equal items of concurrent requests still share one
+      encoder run, but nothing outlives its last user.
     - **Same-pass re-allocation.** An identifier evicted and allocated again
       within one scheduling pass is not reported as freed, so the worker never
       drops an output a scheduled request is about to read.
@@ -40,10 +44,11 @@ class EncoderCacheManager:
     ``num_freeable_slots - num_free_slots`` equals the rows of freeable entries.
     """
 
-    def __init__(self, cache_size: int) -> None:
+    def __init__(self, cache_size: int, retain_unreferenced: bool = True) -> None:
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
             raise ValueError(f"EncoderCacheManager: cache_size must be an int >= 0, got {cache_size!r}")
         self.cache_size = cache_size
+        self.retain_unreferenced = retain_unreferenced
         self.num_free_slots = cache_size  # rows not allocated to any entry
         self.num_freeable_slots = cache_size  # free rows plus rows of freeable entries
         # identifier -> ids of the requests referencing it (empty: freeable)
@@ -83,6 +88,11 @@ class EncoderCacheManager:
         """Input indices of ``request`` currently holding a reference."""
         holders = self._holders.get(request.request_id, {})
         return {i for inputs in holders.values() for i in inputs}
+
+    @property
+    def num_referenced_entries(self) -> int:
+        """Entries some request still holds (0 once every request ended)."""
+        return sum(1 for users in self.cached.values() if users)
 
     def __contains__(self, identifier: str) -> bool:
         return identifier in self.cached
@@ -174,8 +184,14 @@ class EncoderCacheManager:
         users.discard(request.request_id)
         if not users:
             size = self.entry_size[identifier]
-            self.freeable[identifier] = size
             self.num_freeable_slots += size
+            if self.retain_unreferenced:
+                self.freeable[identifier] = size
+            else:  # evict now; the worker drops the tensor at the next step
+                del self.cached[identifier]
+                del self.entry_size[identifier]
+                self.freed.append(identifier)
+                self.num_free_slots += size
 
     def free(self, request: Request) -> None:
         """Release every hold of ``request`` (on finish, abort or preemption)."""

@@ -8,10 +8,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from omnistage.core.config import SchedulerConfig
+from omnistage.core.encoder_cache_manager import EncoderCacheManager
+from omnistage.core.encoder_scheduler import EncoderPlan, EncoderScheduler
 from omnistage.core.kv_cache_manager import KVCacheManager
 from omnistage.core.kv_cache_utils import update_block_hashes
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.worker.runner_output import ModelRunnerOutput
 
 
@@ -58,6 +61,11 @@ class Scheduler:
     running request is preempted: its blocks are freed (full ones stay cached)
     and it goes back to the front of the waiting queue, to be resumed first
     and recomputed from its prompt plus the tokens generated so far.
+
+    Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
+    window may shrink to stop before an item that cannot be encoded this
+    step, and encoder-cache entries are taken only once the KV blocks are
+    secured, so a request that gets no blocks holds nothing.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -75,6 +83,14 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule(), the worker held them
         self._aborted_ids: set[str] = set()
         self.num_preemptions = 0
+        self.encoder: EncoderScheduler | None = None
+        if config.encoder_cache_size > 0:
+            manager = EncoderCacheManager(config.encoder_cache_size, config.retain_encoder_outputs)
+            self.encoder = EncoderScheduler(manager, config.encoder_compute_budget)
+
+    @property
+    def encoder_cache_manager(self) -> EncoderCacheManager | None:
+        return self.encoder.manager if self.encoder is not None else None
 
     # -- requests in and out -------------------------------------------------
 
@@ -125,6 +141,16 @@ class Scheduler:
                     f"offset, not overlapping, within the {num_prompt}-token prompt"
                 )
             prev_end = off + length
+        self.check_mm_items(rid, request.mm_features)
+
+    def check_mm_items(self, request_id: str, features: list[MultiModalFeatureSpec]) -> None:
+        """Raise ValueError naming the request and item if an item can never be encoded here."""
+        if not features:
+            return
+        if self.encoder is None:
+            modality = features[0].modality
+            raise ValueError(f"request {request_id!r}: {modality} item 0: this model takes no multimodal input")
+        self.encoder.validate(request_id, features)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step loop (stop strings, aborts).
@@ -151,6 +177,8 @@ class Scheduler:
             (self._aborted_ids if aborted else self._finished_ids).add(request.request_id)
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.encoder is not None:
+            self.encoder.free(request)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -170,6 +198,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         encoder_inputs: dict[str, list[int]] = {}
         preempted: set[str] = set()
+        if self.encoder is not None:
+            self.encoder.begin_pass()
 
         # 1. Running requests: decodes and the next chunk of unfinished prefills.
         i = 0
@@ -182,7 +212,7 @@ class Scheduler:
                 i += 1
                 continue
             new_blocks = self._allocate_or_preempt(request, n, preempted)
-            if new_blocks is None:  # preempted itself: it was the last one
+            if new_blocks is None:  # preempted itself (which released its encoder plan too)
                 break
             cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             self._commit(request, n, enc, num_scheduled, encoder_inputs)
@@ -198,6 +228,7 @@ class Scheduler:
                 break
             new_blocks = kv.allocate_slots(request, n, hit_blocks, num_hit)
             if new_blocks is None:
+                self._release_encoder_plan(request, enc)
                 if not self.running:  # nothing else holds blocks: it can never fit
                     raise self._pool_too_small(request, num_hit + n)
                 break
@@ -227,6 +258,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             aborted_req_ids=self._aborted_ids,
             preempted_req_ids=preempted,
+            free_encoder_mm_hashes=self.encoder.freed_hashes() if self.encoder is not None else [],
         )
         self._finished_ids, self._aborted_ids = set(), set()
         return out
@@ -238,19 +270,29 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _schedule_encoder_inputs(self, request: Request, start: int, num_new_tokens: int) -> tuple[int, list[int]]:
+    def _schedule_encoder_inputs(
+        self, request: Request, start: int, num_new_tokens: int
+    ) -> tuple[int, EncoderPlan | None]:
         """Which of the request's multimodal items to encode for the window
         ``[start, start + num_new_tokens)``, and that window shrunk to what the
-        encoder budget allows. Decides only: encoder-cache entries are taken
-        in ``_commit``, once the KV blocks are secured, so a request that then
-        gets no blocks holds nothing. No encoder cache yet (EncoderCacheManager
-        slots in here): the window stays as is and no item is scheduled."""
-        return num_new_tokens, []
+        encoder budget allows. Cache hits are pinned while planning; new
+        entries are allocated in ``_commit``, once the KV blocks are secured."""
+        if self.encoder is None:
+            return num_new_tokens, None
+        return self.encoder.plan(request, start, num_new_tokens)
 
-    def _commit(self, request: Request, n: int, enc: list[int], num_scheduled: dict, encoder_inputs: dict) -> None:
+    def _release_encoder_plan(self, request: Request, plan: EncoderPlan | None) -> None:
+        if self.encoder is not None:
+            self.encoder.release(request, plan)
+
+    def _commit(
+        self, request: Request, n: int, plan: EncoderPlan | None, num_scheduled: dict, encoder_inputs: dict
+    ) -> None:
         num_scheduled[request.request_id] = n
-        if enc:
-            encoder_inputs[request.request_id] = enc
+        if plan is not None and self.encoder is not None:
+            to_encode = self.encoder.commit(request, plan)
+            if to_encode:
+                encoder_inputs[request.request_id] = to_encode
         request.num_computed_tokens += n  # advanced at schedule time (see the class docstring)
 
     def _allocate_or_preempt(self, request: Request, n: int, preempted: set[str]) -> list[int] | None:
@@ -271,6 +313,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.encoder is not None:  # a resumed request takes (or re-encodes) its items again
+            self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -299,6 +343,8 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished since it was scheduled
             kv.cache_blocks(request, request.num_computed_tokens)  # their KV exists now
+            if self.encoder is not None:
+                self.encoder.free_computed(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill chunk: a token sampled for it would be discarded
             token = sampled.get(rid)

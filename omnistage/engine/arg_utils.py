@@ -18,6 +18,12 @@ class EngineArgs:
     KV pool gets a default byte budget (512 MiB on CPU, 4 GiB on an
     accelerator), never more than ``max_num_seqs`` full-length requests need.
     ``max_model_len=None`` takes the model's context length, capped at 8192.
+
+    Multimodal models: ``encoder_cache_size`` (encoder embeddings held) and
+    ``max_num_batched_encoder_embeds`` (embeddings encoded per step) default
+    to ``max_num_batched_tokens`` and are raised to the largest item the model
+    accepts. ``enable_encoder_cache=False`` keeps no encoder output beyond its
+    last user (no reuse across requests).
     """
 
     model: str | None = None
@@ -31,6 +37,9 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    encoder_cache_size: int | None = None
+    max_num_batched_encoder_embeds: int | None = None
+    enable_encoder_cache: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -40,6 +49,11 @@ class EngineArgs:
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1),
             ("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
+            ("encoder_cache_size", self.encoder_cache_size is None or self.encoder_cache_size >= 1),
+            (
+                "max_num_batched_encoder_embeds",
+                self.max_num_batched_encoder_embeds is None or self.max_num_batched_encoder_embeds >= 1,
+            ),
         ]
         for name, ok in checks:
             if not ok:
@@ -52,6 +66,8 @@ class EngineArgs:
         kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
         if getattr(args, "no_prefix_caching", False):
             kwargs["enable_prefix_caching"] = False
+        if getattr(args, "no_encoder_cache", False):
+            kwargs["enable_encoder_cache"] = False
         return cls(**kwargs)
 
     def resolve_max_model_len(self, model_max_len: int | None) -> int:

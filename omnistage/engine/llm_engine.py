@@ -14,17 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnistage.core.config import SchedulerConfig
+from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
 from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.input_processor import InputProcessor, ProcessedInputs, PromptType
 from omnistage.engine.output_processor import OutputProcessor
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.kv_cache import kv_cache_bytes_per_block
 from omnistage.worker.model_runner import ModelRunner
 
-PromptType = str | list[int] | dict[str, Any]
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+__all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType"]
 
 
 @dataclass
@@ -52,7 +53,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Scheduler + model runner + output processing for one model."""
+    """Scheduler + model runner + output processing for one model.
+
+    A multimodal checkpoint (Qwen2.5-VL, Qwen2.5-Omni thinker) also gets its
+    ``MultiModalProcessor`` (prompts with ``multi_modal_data``) and an
+    encoder budget sized from the largest item the model accepts;
+    ``input_modalities`` says what it takes.
+    """
 
     def __init__(self, args: EngineArgs, loaded_model: Any | None = None) -> None:
         if loaded_model is None:
@@ -70,6 +77,20 @@ class LLMEngine:
             model.num_layers, args.block_size, model.num_kv_heads, model.head_dim, model.dtype
         )
         self.num_kv_blocks = args.resolve_num_kv_blocks(per_block, self.max_model_len)
+        mm_processor = None
+        encoder_budget, encoder_cache_size = 0, 0
+        if getattr(loaded_model, "mm_adapter", None) is not None:
+            from omnistage.multimodal.processing import MultiModalProcessor
+
+            mm_processor = MultiModalProcessor.from_pretrained(loaded_model.model_path, tokenizer=self.tokenizer)
+            encoder_budget, encoder_cache_size = compute_mm_encoder_budget(
+                args.max_num_batched_tokens,
+                mm_processor.max_tokens_per_item(),
+                args.max_num_batched_encoder_embeds,
+                args.encoder_cache_size,
+            )
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, mm_processor)
+        self.input_modalities = self.input_processor.input_modalities
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -78,6 +99,9 @@ class LLMEngine:
                 block_size=args.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
+                encoder_compute_budget=encoder_budget,
+                encoder_cache_size=encoder_cache_size,
+                retain_encoder_outputs=args.enable_encoder_cache,
             )
         )
         self.runner = ModelRunner(
@@ -88,6 +112,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             device=args.device,
             seed=args.seed,
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
@@ -99,15 +124,24 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
 
+    def process_inputs(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
+        """Tokenize a prompt and process its media, touching no engine state
+        (``LLM`` processes a whole batch before queuing any of it). Items that
+        could never be encoded (larger than the encoder cache) are refused here."""
+        inputs = self.input_processor.process(request_id, prompt)
+        self.scheduler.check_mm_items(request_id, inputs.mm_features)
+        return inputs
+
     def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | ProcessedInputs,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` naming the request when the
-        prompt or the parameters are unusable; nothing is queued then."""
+        """Queue a request. Raises ``ValueError`` naming the request (and the
+        item, for bad media) when the prompt or the parameters are unusable;
+        nothing is queued then."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self.output_processor:
@@ -121,16 +155,17 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
             )
-        text, token_ids, cache_salt = self._process_prompt(request_id, prompt)
+        inputs = self.process_inputs(request_id, prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=token_ids,
+                prompt_token_ids=inputs.prompt_token_ids,
                 sampling_params=self._child_params(params, i),
                 eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                 max_model_len=self.max_model_len,
-                cache_salt=cache_salt,
+                mm_features=inputs.mm_features,
+                cache_salt=inputs.cache_salt,
                 arrival_time=arrival,
             )
             for i in range(params.n)
@@ -146,7 +181,7 @@ class LLMEngine:
         except ValueError:
             self.scheduler.abort_requests(added)
             raise
-        self.output_processor.add_request(request_id, text, children, arrival)
+        self.output_processor.add_request(request_id, inputs.prompt_text, children, arrival)
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Per-child copy: ``n=1``, seed ``seed + index``, and the model's
@@ -158,44 +193,6 @@ class LLMEngine:
         if extra_eos and not params.ignore_eos:
             changes["stop_token_ids"] = list(params.stop_token_ids) + extra_eos
         return dataclasses.replace(params, **changes)
-
-    def _process_prompt(self, request_id: str, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
-        cache_salt = None
-        text: str | None = None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - _PROMPT_KEYS
-            if unknown:
-                raise ValueError(f"request {request_id!r}: unsupported prompt keys {sorted(unknown)}")
-            cache_salt = prompt.get("cache_salt")
-            if "prompt_token_ids" in prompt:
-                text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"request {request_id!r}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"request {request_id!r}: the prompt is empty")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not _is_token_id(t, self.vocab_size)]
-            if bad:
-                raise ValueError(
-                    f"request {request_id!r}: prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-                )
-        else:
-            raise ValueError(
-                f"request {request_id!r}: a prompt must be a string, token ids or a dict, got {type(prompt).__name__}"
-            )
-        if not token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {len(token_ids)} tokens; the context holds "
-                f"{self.max_model_len} (max_model_len), which leaves no room to generate"
-            )
-        return text, token_ids, cache_salt
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (by the ids given to ``add_request``); unknown ids are ignored."""
@@ -244,21 +241,22 @@ class LLMEngine:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """Render a conversation with the checkpoint's chat template."""
+        """Render a conversation (text content only) with the checkpoint's chat template."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {self.loaded_model.name!r} has no chat template")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        return self.input_processor.render_chat(messages, add_generation_prompt, **kwargs)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> dict[str, Any]:
-        """A chat prompt ready for ``add_request``: the rendered text and its
-        token ids (the template already holds any BOS, so none is added)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-
-
-def _is_token_id(t: object, vocab_size: int) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+        """A chat prompt ready for ``add_request``: the rendered text, its
+        token ids (the template already holds any BOS, so none is added) and,
+        for OpenAI-style media parts (``image_url``, ``input_audio``, ...),
+        ``multi_modal_data`` (see ``multimodal.chat``)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.loaded_model.name!r} has no chat template")
+        return self.input_processor.chat_prompt(messages, add_generation_prompt, mm_processor_kwargs, **kwargs)

@@ -41,7 +41,14 @@ class LLM:
         """Complete each prompt; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or a dict with ``prompt``
-        or ``prompt_token_ids``; pass one or a list of them.
+        or ``prompt_token_ids``; pass one or a list of them. For a multimodal
+        model the dict may hold ``multi_modal_data`` (``{"image": PIL image or
+        list, "video": frames or list, "audio": (waveform, rate) or list}``)
+        and ``mm_processor_kwargs``; the prompt text holds one placeholder per
+        item (e.g. ``<|vision_start|><|image_pad|><|vision_end|>``).
+        Every prompt is processed before any is queued, so a bad item raises
+        ``ValueError`` (naming the prompt's request id and the item) with the
+        engine untouched.
         """
         return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm)
 
@@ -52,12 +59,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or a list
-        of conversations, rendered with the checkpoint's chat template."""
+        of conversations, rendered with the checkpoint's chat template.
+
+        ``content`` is a string or a list of OpenAI-style parts: ``text``,
+        ``image_url`` (data URL or local path), ``input_audio`` (base64 WAV),
+        and for convenience ``image`` / ``audio`` / ``video`` parts holding the
+        decoded item (see ``omnistage.multimodal.chat``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
-        prompts = [engine.encode_chat(c, add_generation_prompt, **(chat_template_kwargs or {})) for c in conversations]
+        kwargs = chat_template_kwargs or {}
+        prompts = [engine.encode_chat(c, add_generation_prompt, mm_processor_kwargs, **kwargs) for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(
@@ -73,11 +87,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one each")
         engine = self.llm_engine
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        # Tokenize and process media first: a bad prompt raises before anything is queued.
+        processed = [engine.process_inputs(rid, prompt) for rid, prompt in zip(request_ids, prompts)]
         order: dict[str, int] = {}
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, sp)
+            for i, (request_id, inputs, sp) in enumerate(zip(request_ids, processed, params)):
+                engine.add_request(request_id, inputs, sp)
                 order[request_id] = i
         except ValueError:
             engine.abort_request(list(order))  # leave the engine as it was

@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 from omnistage.models.adapter import CausalLM
 from omnistage.models.default_model import DEFAULT_MODEL_NAME, default_gguf_path, default_model_path
 from omnistage.models.gguf_convert import cached_gguf_checkpoint
+from omnistage.models.mm_loader import MM_MODEL_TYPES, load_multimodal, mm_text_config
 
 # Model types whose HF attention goes through AttentionInterface with full
 # (non-sliding) causal attention, checked against HF's own forward in tests.
@@ -47,6 +48,9 @@ class LoadedModel:
     max_model_len: int
     model_path: str
     name: str
+    # Multimodal checkpoints: the adapter (towers, M-RoPE) over the HF model;
+    # ``model`` then runs its language model. None for text-only models.
+    mm_adapter: object | None = None
 
 
 @contextmanager
@@ -111,11 +115,13 @@ def _check_folder(path: Path) -> None:
 def check_supported(config: PretrainedConfig, path: Path) -> None:
     """Raise ``ValueError`` unless paged attention reproduces this model exactly."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in MM_MODEL_TYPES:
         raise ValueError(
             f"{str(path)!r}: architecture {getattr(config, 'architectures', None)} (model_type {model_type!r}) "
-            f"is not supported; omnistage runs model types {list(SUPPORTED_MODEL_TYPES)}"
+            f"is not supported; omnistage runs model types {list(SUPPORTED_MODEL_TYPES + MM_MODEL_TYPES)}"
         )
+    if model_type in MM_MODEL_TYPES:
+        config = mm_text_config(config)
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         raise ValueError(
@@ -152,18 +158,24 @@ def load_model(
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"{str(path)!r}: cannot read config.json ({exc})") from exc
     check_supported(config, path)
+    mm_adapter = None
     with hf_progress_bars_off():
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    hf_model.to(device)
+        if config.model_type in MM_MODEL_TYPES:
+            causal_lm, mm_adapter = load_multimodal(path, config, torch_dtype, device)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+            hf_model.to(device)
+            causal_lm = CausalLM(hf_model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    text_config = config.get_text_config()
+    text_config = mm_text_config(config) if mm_adapter is not None else config.get_text_config()
     max_len = getattr(text_config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
     return LoadedModel(
-        model=CausalLM(hf_model),
+        model=causal_lm,
         tokenizer=tokenizer,
         hf_config=config,
         eos_token_ids=eos_token_ids(path, config, tokenizer),
         max_model_len=int(max_len),
         model_path=str(path),
         name=name,
+        mm_adapter=mm_adapter,
     )

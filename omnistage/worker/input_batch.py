@@ -150,6 +150,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        # M-RoPE models: a generated token at index p sits at p + delta on every
+        # axis (see models.mm_adapter.MRopePositions); 0 for everything else.
+        self.mrope_delta = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = MultiGroupBlockTable(max_num_reqs, max_blocks, block_size, self.device)
         self.sampling_params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -183,6 +186,7 @@ class InputBatch:
         self.num_tokens[row] = len(token_ids)
         self.num_prompt_tokens[row] = num_prompt_tokens
         self.num_computed_tokens_cpu[row] = num_computed_tokens
+        self.mrope_delta[row] = 0
         self.block_table.add_row(row, block_ids)
         self.sampling_params[req_id] = sampling_params
         self.num_output_tokens[req_id] = len(token_ids) - num_prompt_tokens
@@ -207,6 +211,7 @@ class InputBatch:
             self.num_tokens[row] = n
             self.num_prompt_tokens[row] = self.num_prompt_tokens[last]
             self.num_computed_tokens_cpu[row] = self.num_computed_tokens_cpu[last]
+            self.mrope_delta[row] = self.mrope_delta[last]
             self.block_table.move_row(last, row)
         else:
             self.block_table.clear_row(row)

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from omnistage.core.sched_output import SchedulerOutput
+from omnistage.core.sched_output import NewRequestData, SchedulerOutput
 from omnistage.worker.attention import allocate_kv_caches, build_attention_metadata
 from omnistage.worker.input_batch import BatchStep, InputBatch
+from omnistage.worker.mm.encoder_cache import EncoderCache
+from omnistage.worker.model_state import ModelState
 from omnistage.worker.runner_output import ModelRunnerOutput
 from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingState
+
+
+@dataclass
+class StepModelInputs:
+    """What one step's forward reads."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T], or [3, T] (temporal, height, width) for M-RoPE models
+    inputs_embeds: torch.Tensor | None = None  # [T, hidden] when encoder rows were merged in
+    is_mm_embed: torch.Tensor | None = None  # [T] bool (CPU): the positions holding encoder rows
 
 
 class ModelRunner:
@@ -21,6 +34,16 @@ class ModelRunner:
     rows that left, add new or resumed requests, extend block tables), runs
     one packed, unpadded forward over every scheduled token, computes logits
     only at the last token of requests that sample, and samples.
+
+    A multimodal model (``loaded_model.mm_adapter`` set) also gets a
+    ``ModelState`` with an ``EncoderCache``: each step frees the encoder
+    outputs the scheduler evicted, encodes the scheduled items, merges the
+    window's encoder rows into ``inputs_embeds``, and runs at M-RoPE
+    positions (``[3, T]``; a request's prompt table is computed once when it
+    joins, generated tokens sit at ``index + delta``).
+
+    A step is ``prepare_step`` -> ``compute_hidden_states`` (overridable; the
+    Omni thinker stage reads the hidden states there) -> ``sample``.
     """
 
     def __init__(
@@ -32,6 +55,7 @@ class ModelRunner:
         max_model_len: int,
         device: str | torch.device = "cpu",
         seed: int = 0,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model = loaded_model.model
         self.device = torch.device(device)
@@ -49,10 +73,27 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # A preempted seeded request resumes its random stream where it left off.
         self._parked_generators: dict[str, torch.Generator] = {}
+        # Multimodal models: encoder cache + runner, and per-request positions.
+        self.mm_adapter = getattr(loaded_model, "mm_adapter", None)
+        self.encoder_cache: EncoderCache | None = None
+        self.model_state: ModelState | None = None
+        if self.mm_adapter is not None:
+            self.encoder_cache = EncoderCache()
+            self.model_state = ModelState(
+                self.mm_adapter, self.encoder_cache, max_num_batched_tokens or max_model_len,
+                m.hidden_size, m.dtype, self.device,
+            )  # fmt: skip
+        # req id -> its prompt's M-RoPE table [3, P] (requests with items only;
+        # a text prompt's positions are its indices)
+        self._mrope_prompt: dict[str, np.ndarray] = {}
+        self.num_encoded_items = 0  # items run through an encoder tower, for tests and benchmarks
 
     # -- batch bookkeeping ----------------------------------------------------
 
     def _remove(self, req_id: str) -> None:
+        if self.encoder_cache is not None:
+            self.encoder_cache.remove_request(req_id)  # its encoder outputs stay: they are shared
+            self._mrope_prompt.pop(req_id, None)
         batch = self.input_batch
         row = batch.remove_request(req_id)
         if row is not None and row < batch.num_reqs:  # the last row moved into the hole
@@ -68,6 +109,11 @@ class ModelRunner:
             if gen is not None:
                 self._parked_generators[req_id] = gen
             self._remove(req_id)
+        if self.encoder_cache is not None:
+            # Evicted by the scheduler: drop before this step encodes (an id
+            # re-allocated in the same pass is never in this list).
+            for mm_hash in so.free_encoder_mm_hashes:
+                self.encoder_cache.free_encoder_cache(mm_hash)
         for new in so.scheduled_new_reqs:
             row = batch.add_request(
                 new.req_id,
@@ -81,8 +127,20 @@ class ModelRunner:
             if parked is not None:
                 batch.generators[new.req_id] = parked
             self.sampling_state.set_row(row, new.sampling_params)
+            if self.encoder_cache is not None:
+                self._add_mm_request(new, row)
         for cached in so.scheduled_cached_reqs:
             batch.update_request(cached.req_id, cached.new_block_ids, cached.num_computed_tokens)
+
+    def _add_mm_request(self, new: NewRequestData, row: int) -> None:
+        """Register a request's items with the encoder cache (text prompts too:
+        the gather looks every prompt up) and compute its M-RoPE table."""
+        features = list(new.mm_features)
+        self.encoder_cache.add_request(new.req_id, features)
+        if features:
+            mrope = self.mm_adapter.get_mrope_positions(new.token_ids[: new.num_prompt_tokens], features)
+            self._mrope_prompt[new.req_id] = mrope.prompt.cpu().numpy()
+            self.input_batch.mrope_delta[row] = mrope.delta
 
     def forget(self, req_ids: list[str]) -> None:
         """Drop the parked RNG of requests that ended while preempted: the
@@ -97,11 +155,66 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
-        batch = self.input_batch
-        step = batch.prepare_step(so.num_scheduled_tokens)
-        hidden = self._forward(step)
+        step = self.input_batch.prepare_step(so.num_scheduled_tokens)
+        hidden = self.compute_hidden_states(step, so)
+        return self.sample(step, hidden)
+
+    def compute_hidden_states(self, step: BatchStep, so: SchedulerOutput) -> torch.Tensor:
+        """Final-norm hidden states ``[num_tokens, hidden]`` of the step's packed tokens."""
+        inputs = self.prepare_model_inputs(step, so)
+        metadata = build_attention_metadata(step, self.block_size)
+        return self.model.forward(
+            inputs.input_ids, inputs.positions, metadata, self.kv_caches, inputs_embeds=inputs.inputs_embeds
+        )
+
+    def prepare_model_inputs(self, step: BatchStep, so: SchedulerOutput) -> StepModelInputs:
+        """Token ids and positions; for a multimodal model also runs the
+        scheduled encoders and merges the window's encoder rows.
+
+        ``inputs_embeds`` stays None when no encoder row falls in the step
+        (decodes, text prompts): the forward then embeds the ids itself,
+        which is the same computation without the extra copy."""
+        if self.model_state is None:
+            return StepModelInputs(step.input_ids, step.positions)
+        state = self.model_state
+        scheduled = so.scheduled_encoder_inputs
+        if scheduled:
+            state.execute_mm_encoder(scheduled)
+            self.num_encoded_items += sum(len(v) for v in scheduled.values())
+        inputs = StepModelInputs(step.input_ids, self._mrope_positions(step))
+        mm_rows, is_mm_embed = state.gather_mm_embeddings(step)
+        if mm_rows:
+            inputs.inputs_embeds = state.encoder_runner.get_inputs_embeds(
+                step.input_ids[: step.num_tokens], mm_rows, is_mm_embed
+            )
+            inputs.is_mm_embed = is_mm_embed
+        return inputs
+
+    def _mrope_positions(self, step: BatchStep) -> torch.Tensor:
+        """``[3, T]`` positions: ``index + delta`` on every axis, vectorized
+        over the batch, then the prompt tables for the prompt windows of
+        requests with items (one copy per such request)."""
+        n = step.num_scheduled_tokens
+        computed = step.num_computed_tokens
+        qsl = step.query_start_loc
+        index = np.repeat(computed - qsl[:-1], n) + np.arange(step.num_tokens)
+        positions = np.empty((3, step.num_tokens), dtype=np.int64)
+        positions[:] = index + np.repeat(self.input_batch.mrope_delta[step.rows], n)
+        if self._mrope_prompt:
+            for i in np.flatnonzero(computed < step.prefill_lens).tolist():
+                table = self._mrope_prompt.get(step.req_ids[i])
+                if table is None:
+                    continue
+                start = int(computed[i])
+                stop = min(start + int(n[i]), table.shape[1])
+                positions[:, qsl[i] : qsl[i] + stop - start] = table[:, start:stop]
+        return torch.from_numpy(positions).to(self.device)
+
+    def sample(self, step: BatchStep, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Logits at the last token of the requests that sample, then tokens."""
         if not step.sampling_req_ids:
             return ModelRunnerOutput()
+        batch = self.input_batch
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         rows = step.rows[step.seq_lens == batch.num_tokens[step.rows]]  # rows of sampling_req_ids
         md = self.sampling_state.metadata(
@@ -117,15 +230,6 @@ class ModelRunner:
         if md.num_logprobs is not None:
             out.logprobs = _logprob_dicts(step.sampling_req_ids, token_ids, md.num_logprobs, sampled)
         return out
-
-    def _forward(self, step: BatchStep) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` of the step's packed tokens.
-
-        Text-only models embed ``input_ids`` inside the forward; a multimodal
-        model would build ``inputs_embeds`` here (``ModelState``) first.
-        """
-        metadata = build_attention_metadata(step, self.block_size)
-        return self.model.forward(step.input_ids, step.positions, metadata, self.kv_caches)
 
 
 def _logprob_dicts(

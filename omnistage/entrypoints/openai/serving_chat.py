@@ -127,9 +127,13 @@ class ChatServing:
             if msg.content is None:
                 raise bad_request(f"{param}.content is required", param=f"{param}.content")
             if isinstance(msg.content, str):
-                text = msg.content
+                text: Any = msg.content
             else:
-                text = "\n".join(await self._convert_parts(msg.role, msg.content, param))
+                parts = await self._convert_parts(msg.role, msg.content, param)
+                if all(isinstance(p, str) for p in parts):
+                    text = "\n".join(parts)
+                else:  # media for a multimodal model: content parts, rendered by engine.encode_chat
+                    text = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
             # Most chat templates know no 'developer' role; it is OpenAI's new name for 'system'.
             role = "system" if msg.role == "developer" else msg.role
             entry: dict[str, Any] = {"role": role, "content": text}
@@ -138,9 +142,11 @@ class ChatServing:
             out.append(entry)
         return out
 
-    async def _convert_parts(self, role: str, parts: list[dict[str, Any]], param: str) -> list[str]:
+    async def _convert_parts(self, role: str, parts: list[dict[str, Any]], param: str) -> list[Any]:
+        """Text parts as strings; decoded media as ``{"type": "image", "image": PIL}``
+        / ``{"type": "audio", "audio": (samples, rate)}`` parts."""
         ctx = self.ctx
-        texts: list[str] = []
+        texts: list[Any] = []
         for j, raw in enumerate(parts):
             part_param = f"{param}.content[{j}]"
             part = parse_content_part(raw, part_param)
@@ -153,11 +159,14 @@ class ChatServing:
             # Decode first (off the event loop: a large PNG takes a while), so
             # corrupt data gets its own error even on a text-only model.
             if isinstance(part, ImagePart):
-                await asyncio.to_thread(load_image, part.image_url.url, ctx.media_limits, f"{part_param}.image_url.url")
+                item: Any = await asyncio.to_thread(
+                    load_image, part.image_url.url, ctx.media_limits, f"{part_param}.image_url.url"
+                )
             elif isinstance(part, AudioPart):
-                await asyncio.to_thread(
+                audio = await asyncio.to_thread(
                     decode_audio, part.input_audio.data, part.input_audio.format, ctx.media_limits, f"{part_param}.input_audio"
                 )
+                item = (audio.samples, audio.sample_rate)
             if modality not in ctx.input_modalities:
                 raise bad_request(
                     f"{part_param}: model {ctx.model_name!r} does not accept {modality} input "
@@ -165,9 +174,8 @@ class ChatServing:
                     param=part_param,
                     code="unsupported_modality",
                 )
-            # Multimodal checkpoints (a later issue) turn decoded items into
-            # placeholder tokens + encoder inputs here.
-            raise bad_request(f"{part_param}: {modality} input is not wired to the engine yet", param=part_param)
+            # The engine's processor turns the item into placeholder tokens + encoder inputs.
+            texts.append({"type": modality, modality: item})
         return texts
 
     async def _render(self, messages: list[dict[str, Any]], req: ChatCompletionRequest) -> dict[str, Any]:

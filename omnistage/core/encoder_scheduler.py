@@ -1,0 +1,169 @@
+"""Which multimodal items to encode in a step: the scheduler's encoder half."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from omnistage.core.encoder_cache_manager import EncoderCacheManager
+from omnistage.core.request import Request
+from omnistage.multimodal.inputs import MultiModalFeatureSpec, get_mm_features_in_window
+
+__all__ = ["EncoderPlan", "EncoderScheduler"]
+
+
+@dataclass
+class EncoderPlan:
+    """One request's encoder decisions for one step, before they are committed.
+
+    ``to_encode``: items to allocate in the encoder cache and encode this step.
+    ``same_content``: later items of the same request whose identifier equals
+    one in ``to_encode``; they take a reference once it is allocated.
+    ``pinned``: items whose output is already cached; their references were
+    taken while planning (so that a later ``can_allocate`` in the same plan
+    cannot evict them) and are released again if the plan is not committed.
+    """
+
+    to_encode: list[int] = field(default_factory=list)
+    same_content: list[int] = field(default_factory=list)
+    pinned: list[int] = field(default_factory=list)
+    num_embeds: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.to_encode or self.same_content or self.pinned)
+
+
+class EncoderScheduler:
+    """Encoder inputs for each step, under a compute budget and the cache size.
+
+    Policy:
+
+    - **Admission.** An item with more encoder embeddings than the whole cache
+      (or a whole step's compute budget) can never run: the request is refused
+      in ``validate`` rather than left waiting forever.
+    - **Which items.** For a step window ``[start, start + n)`` of a request,
+      every item whose embedding positions intersect the window must have its
+      encoder output available before the forward: held already by this
+      request, cached (a hit: a reference is taken, nothing runs), or encoded
+      this step. Items are encoded whole (the towers attend bidirectionally),
+      so a chunked prefill that splits an item encodes it in its first window
+      and reads the cached rows in the later ones.
+    - **Budgets.** Encoding an item costs its embeddings from the step's
+      ``compute_budget`` and needs room in the cache (``can_allocate`` may
+      evict unreferenced entries, oldest first). When an item does not fit,
+      the window stops just before it (possibly at 0 tokens: the request waits
+      a step); items earlier in the window are unaffected.
+    - **Lifetime.** A request's reference to an item is released once the
+      item's whole span has been computed (``free_computed``, after the step
+      ran), or when the request finishes, is aborted or preempted (``free``).
+    """
+
+    def __init__(self, manager: EncoderCacheManager, compute_budget: int) -> None:
+        self.manager = manager
+        self.compute_budget = compute_budget
+        self.budget_left = compute_budget
+
+    # -- admission -----------------------------------------------------------
+
+    def validate(self, request_id: str, features: Sequence[MultiModalFeatureSpec]) -> None:
+        """Raise ValueError naming the request and item if an item can never be encoded."""
+        counts: dict[str, int] = {}
+        for i, feature in enumerate(features):
+            k = counts.get(feature.modality, 0)
+            counts[feature.modality] = k + 1
+            n = feature.mm_position.get_num_embeds()
+            if not self.manager.item_fits(n, self.compute_budget):
+                limit = min(self.manager.cache_size, self.compute_budget)
+                raise ValueError(
+                    f"request {request_id!r}: {feature.modality} item {k} (mm_features[{i}]) has {n} "
+                    f"encoder embeddings, more than the encoder cache and budget hold ({limit}); "
+                    "use a smaller item (e.g. lower max_pixels or fewer frames) or raise encoder_cache_size"
+                )
+
+    # -- one scheduling pass -------------------------------------------------
+
+    def begin_pass(self) -> None:
+        self.budget_left = self.compute_budget
+
+    def plan(self, request: Request, start: int, num_new_tokens: int) -> tuple[int, EncoderPlan | None]:
+        """Items to encode for the window ``[start, start + num_new_tokens)``
+        and the window shrunk to what the budgets allow (see the class policy)."""
+        features = request.mm_features
+        if not features or num_new_tokens <= 0:
+            return num_new_tokens, None
+        end = start + num_new_tokens
+        lo, hi = get_mm_features_in_window(features, start, end)
+        if lo >= hi:  # decodes and text-only windows: the common case, nothing to do
+            return num_new_tokens, None
+        manager = self.manager
+        held = manager.get_cached_input_ids(request)
+        plan = EncoderPlan()
+        chosen: set[str] = set()
+        for k in range(lo, hi):
+            feature = features[k]
+            pos = feature.mm_position
+            lo_rel, hi_rel = max(start, pos.offset) - pos.offset, min(end, pos.offset + pos.length) - pos.offset
+            a, b = pos.get_embeds_indices_in_range(lo_rel, hi_rel)
+            if a == b or k in held:  # no embeddings in the window, or already held
+                continue
+            if feature.identifier in chosen:
+                plan.same_content.append(k)
+                continue
+            if manager.check_and_update_cache(request, k):
+                plan.pinned.append(k)
+                continue
+            n = pos.get_num_embeds()
+            if manager.can_allocate(request, k, self.budget_left - plan.num_embeds, plan.num_embeds):
+                plan.to_encode.append(k)
+                plan.num_embeds += n
+                chosen.add(feature.identifier)
+                continue
+            # Not this step: compute only the tokens before the item. Every item
+            # planned so far lies before it (spans are sorted and disjoint).
+            num_new_tokens = max(pos.offset - start, 0)
+            break
+        if num_new_tokens == 0:
+            self.release(request, plan)
+            return 0, None
+        return num_new_tokens, plan if plan else None
+
+    def commit(self, request: Request, plan: EncoderPlan | None) -> list[int]:
+        """Take the plan's cache entries; return the input ids to encode this step."""
+        if plan is None:
+            return []
+        manager = self.manager
+        for k in plan.to_encode:
+            manager.allocate(request, k)
+        for k in plan.same_content:
+            if not manager.check_and_update_cache(request, k):  # allocated just above
+                raise RuntimeError(f"request {request.request_id!r}: item {k} lost its freshly allocated entry")
+        self.budget_left -= plan.num_embeds
+        return list(plan.to_encode)
+
+    def release(self, request: Request, plan: EncoderPlan | None) -> None:
+        """Undo a plan that will not be committed (its request got no blocks)."""
+        if plan is None:
+            return
+        for k in plan.pinned:
+            self.manager.free_encoder_input(request, k)
+
+    # -- after a step, and when requests leave ---------------------------------
+
+    def free_computed(self, request: Request) -> None:
+        """Release the items whose whole span is computed: their rows were
+        read by the forward that just ran, and no later window needs them."""
+        if not request.mm_features:
+            return
+        done = request.num_computed_tokens
+        features = request.mm_features
+        for k in self.manager.get_cached_input_ids(request):
+            pos = features[k].mm_position
+            if pos.offset + pos.length <= done:
+                self.manager.free_encoder_input(request, k)
+
+    def free(self, request: Request) -> None:
+        if request.mm_features:
+            self.manager.free(request)
+
+    def freed_hashes(self) -> list[str]:
+        return self.manager.get_freed_mm_hashes()

@@ -1,0 +1,137 @@
+"""LLM.generate with vLLM-style multimodal dicts and LLM.chat with
+OpenAI-style content parts, on tiny Qwen2.5-VL / Qwen2.5-Omni checkpoints."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omnistage.entrypoints.llm import LLM
+from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
+from omnistage.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory) -> LLM:
+    return LLM(str(write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("vl"))), block_size=4, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory) -> LLM:
+    return LLM(str(write_tiny_qwen2_5_omni_thinker(tmp_path_factory.mktemp("omni"))), block_size=4)
+
+
+def _image(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (60, 90, 3), dtype=np.uint8))
+
+
+def _png_data_url(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _wav_b64(samples: np.ndarray, rate: int) -> str:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes((samples * 32768).astype("<i2").tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_chat_parts_equal_the_generate_dict(vl, tmp_path):
+    img = _image(0)
+    path = tmp_path / "cat.png"
+    img.save(path)
+    tokenizer = vl.get_tokenizer()
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]
+    prompt = tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
+    (by_dict,) = vl.generate({"prompt": prompt, "multi_modal_data": {"image": img}}, GREEDY, use_tqdm=False)
+    encoded = vl.llm_engine.runner.num_encoded_items
+    outs = vl.chat(
+        [
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url(img)}},
+                                          {"type": "text", "text": "what is it?"}]}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}},
+                                          {"type": "text", "text": "what is it?"}]}],
+            [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what is it?"}]}],
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )  # fmt: skip
+    for out in outs:
+        assert out.prompt_token_ids == by_dict.prompt_token_ids
+        assert out.outputs[0].token_ids == by_dict.outputs[0].token_ids
+    # the same pixels by data URL, path or PIL image share one content hash: no new encoder run
+    assert vl.llm_engine.runner.num_encoded_items == encoded
+
+
+def test_chat_input_audio_and_mixed_batch(omni):
+    rng = np.random.default_rng(0)
+    samples = np.round(rng.standard_normal(16000) * 0.1 * 32768).clip(-32768, 32767) / 32768
+    tokenizer = omni.get_tokenizer()
+    parts = [{"type": "audio"}, {"type": "text", "text": "listen"}]
+    messages = [{"role": "user", "content": parts}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    by_dict = omni.generate(
+        [{"prompt": prompt, "multi_modal_data": {"audio": (samples.astype(np.float32), 16000)}}, "text only"],
+        GREEDY,
+        use_tqdm=False,
+    )
+    wav = {"type": "input_audio", "input_audio": {"data": _wav_b64(samples, 16000), "format": "wav"}}
+    chat = [{"role": "user", "content": [wav, {"type": "text", "text": "listen"}]}]
+    (by_chat,) = omni.chat(chat, GREEDY, use_tqdm=False)
+    assert by_chat.prompt_token_ids == by_dict[0].prompt_token_ids
+    assert by_chat.outputs[0].token_ids == by_dict[0].outputs[0].token_ids
+    assert len(by_dict) == 2 and by_dict[1].outputs[0].token_ids
+
+
+def test_bad_item_raises_before_anything_is_queued(vl):
+    engine = vl.llm_engine
+    tokenizer = vl.get_tokenizer()
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hm"}]}]
+    prompt = tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
+    good = {"prompt": prompt, "multi_modal_data": {"image": _image(1)}}
+    bad = {"prompt": prompt, "multi_modal_data": {"image": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    steps = engine.num_steps
+    with pytest.raises(ValueError, match=r"request '\d+': image item 0: could not decode"):
+        vl.generate([good, bad], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.num_steps == steps
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: video URLs cannot be decoded"):
+        vl.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x.mp4"}}]}], GREEDY)
+    (out,) = vl.generate(good, GREEDY, use_tqdm=False)  # the engine is as good as before
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_whole_omni_checkpoint_runs_its_thinker(omni, tmp_path):
+    """A Qwen2_5OmniForConditionalGeneration folder loads its thinker: the
+    same answers as the thinker-only checkpoint written with the same seed."""
+    from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+
+    whole = LLM(str(write_tiny_qwen2_5_omni(tmp_path / "whole")), block_size=4)
+    assert whole.llm_engine.loaded_model.hf_config.model_type == "qwen2_5_omni"
+    assert whole.llm_engine.input_modalities == {"text", "image", "video", "audio"}
+    msgs = [{"role": "user", "content": [{"type": "image", "image": _image(2)}, {"type": "text", "text": "hi"}]}]
+    assert _ids(whole.chat(msgs, GREEDY, use_tqdm=False)) == _ids(omni.chat(msgs, GREEDY, use_tqdm=False))
