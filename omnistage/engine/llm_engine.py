@@ -22,6 +22,7 @@ from omnistage.engine.input_processor import InputProcessor, ProcessedInputs, Pr
 from omnistage.engine.output_processor import OutputProcessor
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
+from omnistage.worker.host_memory import keep_freed_host_memory
 from omnistage.worker.kv_cache import kv_cache_bytes_per_block
 from omnistage.worker.model_runner import ModelRunner
 
@@ -62,6 +63,7 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs, loaded_model: Any | None = None) -> None:
+        keep_freed_host_memory()  # per-step buffers reuse freed memory instead of faulting in new pages
         if loaded_model is None:
             from omnistage.models.loader import load_model
 

@@ -48,23 +48,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def engine_args_from(args: argparse.Namespace) -> Any:
-    from omnistage.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-    )
-
-
 def server_options_from(args: argparse.Namespace) -> Any:
     from omnistage.entrypoints.openai.api_server import ServerOptions
 
@@ -82,10 +65,11 @@ def serve_main(args: argparse.Namespace) -> None:
     """Build the app and serve it with uvicorn until interrupted."""
     import uvicorn
 
+    from omnistage.engine.arg_utils import EngineArgs
     from omnistage.entrypoints.openai.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(engine_args_from(args), server_options_from(args))
+    app = build_app(EngineArgs.from_cli_args(args), server_options_from(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 
