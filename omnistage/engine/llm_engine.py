@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,12 @@ class LLMEngine:
     ``input_modalities`` says what it takes.
     """
 
-    def __init__(self, args: EngineArgs, loaded_model: Any | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        loaded_model: Any | None = None,
+        runner_factory: Callable[..., ModelRunner] = ModelRunner,
+    ) -> None:
         keep_freed_host_memory()  # per-step buffers reuse freed memory instead of faulting in new pages
         if loaded_model is None:
             from omnistage.models.loader import load_model
@@ -106,7 +111,7 @@ class LLMEngine:
                 retain_encoder_outputs=args.enable_encoder_cache,
             )
         )
-        self.runner = ModelRunner(
+        self.runner = runner_factory(
             loaded_model,
             block_size=args.block_size,
             num_kv_blocks=self.num_kv_blocks,

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, TextIO
 
 from omnistage.sampling_params import SamplingParams
@@ -39,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*", help="prompt strings")
     gen.add_argument("--file", help="prompts file: one per line, or JSON lines with a 'prompt' (and optional 'id')")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+    gen.add_argument("--audio-dir", default=".", help="omni checkpoints: where the spoken answers go, as <id>.wav")
+    gen.add_argument("--speaker", default=None, help="omni checkpoints: the voice (default: the checkpoint's)")
+    gen.add_argument("--no-audio", action="store_true", help="omni checkpoints: text only, skip the talker")
+    gen.add_argument("--talker-max-tokens", type=int, default=None, help="omni checkpoints: cap on codec tokens")
     _add_common_args(gen, max_tokens=64)
     chat = sub.add_parser("chat", help="multi-turn chat; reads stdin line by line when it is not a terminal")
     chat.add_argument("--system", default=None, help="system prompt")
@@ -95,6 +100,10 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
     if not items:
         raise SystemExit("omnistage generate: no prompts; pass them as arguments or with --file")
     params = _sampling_params(args)  # fail on bad flags before loading the model
+    from omnistage.engine.omni.loader import is_omni_checkpoint
+
+    if args.model is not None and is_omni_checkpoint(args.model):
+        return _run_generate_omni(args, items, params, out)
     engine = _engine(args)
     errors: dict[str, str] = {}
     for i, (_, prompt) in enumerate(items):
@@ -122,6 +131,31 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
             "finish_reason": c.finish_reason,
             "num_cached_tokens": o.num_cached_tokens,
         }
+        out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    out.flush()
+    return 0
+
+
+def _run_generate_omni(args: argparse.Namespace, items: list[tuple[str, str]], params: SamplingParams, out: TextIO) -> int:
+    """Text and speech from an omni checkpoint: one JSON line per prompt, one WAV file per answer."""
+    from omnistage.engine.arg_utils import EngineArgs
+    from omnistage.entrypoints.omni_llm import OmniLLM, write_wav
+
+    engine_args = {k: v for k, v in vars(EngineArgs.from_cli_args(args)).items() if k != "model"}
+    talker = {"max_tokens": args.talker_max_tokens} if args.talker_max_tokens else None
+    llm = OmniLLM(args.model, talker_params=talker, **engine_args)
+    prompts = [[{"role": "user", "content": p}] for _, p in items] if args.chat else [p for _, p in items]
+    run = llm.chat if args.chat else llm.generate
+    outputs = run(prompts, params, return_audio=not args.no_audio, speaker=args.speaker)
+    audio_dir = Path(args.audio_dir)
+    audio_dir.mkdir(parents=True, exist_ok=True)
+    for (rid, prompt), o in zip(items, outputs):
+        c = o.outputs[0]
+        row = {"id": rid, "prompt": prompt, "text": c.text, "token_ids": c.token_ids,
+               "finish_reason": c.finish_reason, "num_cached_tokens": o.num_cached_tokens}
+        if o.audio is not None:
+            row["audio_path"] = str(write_wav(audio_dir / f"{rid}.wav", o.audio, o.sample_rate))
+            row["sample_rate"] = o.sample_rate
         out.write(json.dumps(row, ensure_ascii=False) + "\n")
     out.flush()
     return 0

@@ -22,6 +22,18 @@ class LLM:
     ``enable_prefix_caching``, ``num_kv_blocks``, ...).
     """
 
+    def __new__(cls, model: str | None = None, **engine_args: Any) -> Any:
+        # An omni checkpoint (thinker + talker + token2wav) gets the staged pipeline,
+        # whose generate() also speaks: see omnistage.entrypoints.omni_llm.
+        if cls is LLM and model is not None:
+            from omnistage.engine.omni.loader import is_omni_checkpoint
+
+            if is_omni_checkpoint(model):
+                from omnistage.entrypoints.omni_llm import OmniLLM
+
+                return OmniLLM(model, **engine_args)
+        return super().__new__(cls)
+
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()

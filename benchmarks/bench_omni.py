@@ -1,0 +1,209 @@
+"""The omni pipeline (thinker -> talker -> token2wav) with its caches on and off.
+
+One process, one run, the tiny Qwen2.5-Omni checkpoint, fp32, one torch thread:
+
+(a) **No shared prefixes.** Every request has its own prompt, so nothing ever
+    hits. The thinker's tensor prefix cache on over off, with KV prefix caching
+    on in both. The cache writes every step and serves nothing here, so this is
+    its pure overhead. Reported end to end and for the thinker stage alone.
+    Target: at most 5 % slower.
+(b) **Multi-turn with shared prefixes.** Conversations whose turn ``k`` repeats
+    turn ``k - 1`` (prompt and answer) and adds a question. It reports time to
+    audio (arrival to waveform, mean over the turns after the first) and total
+    time, all caches on (KV prefix + tensor prefix) over all off.
+
+Times are this thread's CPU time (``time.thread_time``; torch runs on one
+thread): on a shared machine, other processes' load does not count, which wall
+time cannot promise. The pipeline runs on one thread and never waits, so on an
+idle machine the two agree. Time to audio is the CPU time the pipeline spent
+from the start of a turn to the step that produced the request's waveform.
+Each configuration gets a fresh pipeline per round, so that no round hits what
+an earlier one cached. Rounds alternate between the configurations, and each
+measure is the best of its rounds: CPU time still varies with the memory
+traffic of other processes, and the least disturbed round is the best estimate
+of the cost. The tensor cache's memory is printed beside its KV pool.
+
+Run: ``python benchmarks/bench_omni.py`` (``--quick`` for a smaller run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnistage.engine.omni.loader import OmniModel, load_qwen2_5_omni
+from omnistage.entrypoints.omni_llm import OmniLLM
+from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.sampling_params import SamplingParams
+
+BLOCK = 16
+TALKER = {"temperature": 0.0, "max_tokens": 4}  # few codes: token2wav would otherwise be all there is
+TEXT_TOKENS_A = 48  # many decode steps: the cache's per-step cost weighs most there
+
+
+def build(omni: OmniModel, caches: str, **kw: Any) -> OmniLLM:
+    """``caches``: "all" (KV prefix + tensor prefix), "kv" (KV prefix only; a hit
+    would raise, so only for workloads without one) or "none"."""
+    return OmniLLM(
+        omni,
+        block_size=BLOCK,
+        max_model_len=4096,
+        num_kv_blocks=kw.pop("num_kv_blocks", 2048),
+        max_num_seqs=16,
+        talker_max_model_len=4200,
+        talker_params=dict(TALKER),
+        enable_prefix_caching=caches != "none",
+        enable_tensor_prefix_cache=caches == "all",
+        **kw,
+    )
+
+
+class CpuClock:
+    """CPU seconds spent in a pipeline's steps (and in its thinker stage's), and the
+    clock reading at which each output completed (``out.extra["cpu_done"]``)."""
+
+    def __init__(self, llm: OmniLLM) -> None:
+        self.now = 0.0
+        self.thinker = 0.0
+        pipeline, stage = llm.pipeline, llm.pipeline.thinker
+        step, thinker_step = pipeline.step, stage.step
+
+        def pipeline_step() -> Any:
+            t0 = time.thread_time()
+            outs = step()
+            self.now += time.thread_time() - t0
+            for out in outs:
+                out.extra["cpu_done"] = self.now
+            return outs
+
+        def stage_step() -> Any:
+            t0 = time.thread_time()
+            try:
+                return thinker_step()
+            finally:
+                self.thinker += time.thread_time() - t0
+
+        pipeline.step = pipeline_step  # type: ignore[method-assign]
+        stage.step = stage_step  # type: ignore[method-assign]
+
+
+def no_shared_prefixes(omni: OmniModel, caches: str, num: int, prompt_len: int, seed: int) -> dict[str, float]:
+    llm = build(omni, caches)
+    clock = CpuClock(llm)
+    rng = np.random.default_rng(seed)
+    # Random byte tokens (ids < 256): no two prompts share even their first block.
+    prompts = [rng.integers(0, 256, prompt_len).tolist() for _ in range(num)]
+    params = SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS_A, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    assert all(o.num_cached_tokens == 0 for o in outs) and len(outs) == num
+    return {"total": clock.now, "thinker": clock.thinker, "wall": wall}
+
+
+def multi_turn(omni: OmniModel, caches: str, convs: int, turns: int, system_len: int, seed: int) -> dict[str, float]:
+    llm = build(omni, caches)
+    clock = CpuClock(llm)
+    tok = llm.get_tokenizer()
+    rng = np.random.default_rng(seed)
+    histories = [rng.integers(0, 256, system_len).tolist() for _ in range(convs)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    later_ttfa: list[float] = []
+    first_audio: list[float] = []
+    hits = 0
+    t0 = time.perf_counter()
+    for turn in range(turns):
+        start = clock.now
+        outs = llm.generate(histories, params)
+        if turn:
+            later_ttfa += [o.extra["cpu_done"] - start for o in outs]
+            first_audio.append(min(o.extra["cpu_done"] for o in outs) - start)
+            hits += sum(o.num_cached_tokens > 0 for o in outs)
+        question = tok(f" user: and what happened in part {turn + 2}?").input_ids
+        histories = [h + list(o.outputs[0].token_ids) + question for h, o in zip(histories, outs)]
+    wall = time.perf_counter() - t0
+    if caches == "all":
+        assert hits == convs * (turns - 1), f"expected every later turn to hit, got {hits}"
+    return {
+        "total": clock.now, "thinker": clock.thinker, "wall": wall,
+        "ttfa": statistics.mean(later_ttfa), "first_audio": statistics.mean(first_audio),
+    }  # fmt: skip
+
+
+def interleaved(rounds: int, runs: dict[str, Callable[[int], dict[str, float]]]) -> dict[str, dict[str, float]]:
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            samples[name].append(runs[name](r))
+    return {name: {key: min(s[key] for s in runs_) for key in runs_[0]} for name, runs_ in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", help="a Qwen2.5-Omni folder (default: write the tiny one)")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and requests")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rounds = 3 if args.quick else 7
+    path = args.checkpoint or write_tiny_qwen2_5_omni(tempfile.mkdtemp(prefix="bench_omni_"))
+    omni = load_qwen2_5_omni(path)
+
+    # Warm up both paths once (first calls allocate and compile kernels).
+    no_shared_prefixes(omni, "all", 2, 64, seed=-1 % 2**32)
+    multi_turn(omni, "all", 1, 2, 64, seed=12345)
+
+    num, prompt_len = (8, 256) if args.quick else (16, 512)
+    a = interleaved(rounds, {
+        "on": lambda r: no_shared_prefixes(omni, "all", num, prompt_len, seed=r),
+        "off": lambda r: no_shared_prefixes(omni, "kv", num, prompt_len, seed=r),
+    })  # fmt: skip
+    convs, turns, system_len = (4, 3, 768) if args.quick else (6, 4, 1536)
+    b = interleaved(rounds, {
+        "on": lambda r: multi_turn(omni, "all", convs, turns, system_len, seed=100 + r),
+        "off": lambda r: multi_turn(omni, "none", convs, turns, system_len, seed=100 + r),
+    })  # fmt: skip
+
+    probe = build(omni, "all")
+    cache = probe.pipeline.thinker.runner.tensor_cache
+    kv_bytes = sum(t.numel() * t.element_size() for t in probe.pipeline.thinker.runner.kv_caches)
+    thinker = omni.thinker.model
+
+    print(f"tiny Qwen2.5-Omni, fp32, {args.threads} thread(s), best of {rounds} interleaved rounds, CPU seconds")
+    print(f"(a) no shared prefixes: {num} requests x {prompt_len} prompt tokens, {TEXT_TOKENS_A} text tokens, "
+          f"{TALKER['max_tokens']} codes; tensor prefix cache on / off (KV prefix caching on in both)")  # fmt: skip
+    report("end to end", a, "total", target=1.05)
+    report("thinker stage", a, "thinker", target=1.05)
+    report("wall clock, end to end", a, "wall")
+    print(f"(b) multi-turn: {convs} conversations x {turns} turns, {system_len}-token first prompt, "
+          "24 text tokens per turn; all caches on / off")  # fmt: skip
+    report("time to audio, turns 2+ (mean per request)", b, "ttfa")
+    report("time to first audio of a turn, turns 2+", b, "first_audio")
+    report("total", b, "total")
+    report("thinker stage", b, "thinker")
+    report("wall clock, total", b, "wall")
+    mib = 2**20
+    print(f"tensor prefix cache: {cache.nbytes / mib:.2f} MiB = {cache.cache.num_blocks} blocks x {BLOCK} slots x "
+          f"{thinker.hidden_size} {thinker.dtype} + 1 flag byte per slot; {cache.nbytes / kv_bytes:.1%} of the "
+          f"thinker's KV pool ({kv_bytes / mib:.2f} MiB)")  # fmt: skip
+    ratio = thinker.hidden_size / (2 * thinker.num_layers * thinker.num_kv_heads * thinker.head_dim)
+    print(f"  rows / KV per slot = {thinker.hidden_size} / (2 x {thinker.num_layers} layers x "
+          f"{thinker.num_kv_heads} KV heads x {thinker.head_dim}) = {ratio:.1%}; Qwen2.5-Omni-7B: 3584 / 28672 = 12.5%")
+
+
+def report(label: str, results: dict[str, dict[str, float]], key: str, target: float | None = None) -> None:
+    on, off = results["on"][key], results["off"][key]
+    goal = f"  (target <= {target})" if target is not None else ""
+    print(f"    {label:<44}: on {on:7.3f} s, off {off:7.3f} s, on/off = {on / off:.3f}{goal}")
+
+
+if __name__ == "__main__":
+    main()

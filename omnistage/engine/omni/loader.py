@@ -1,0 +1,103 @@
+"""Load a Qwen2.5-Omni checkpoint as the parts the pipeline's stages run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.models.adapter import CausalLM
+from omnistage.models.loader import LoadedModel, eos_token_ids, hf_progress_bars_off, resolve_dtype
+from omnistage.models.mm_loader import TextStackView
+from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
+from omnistage.worker.omni.paged_models import PagedOmniTalker, ThinkerForTalkerAdapter
+
+__all__ = ["OMNI_ARCHITECTURES", "OmniModel", "is_omni_checkpoint", "load_qwen2_5_omni"]
+
+OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration",)
+
+
+def is_omni_checkpoint(model: str | Path | None) -> bool:
+    """True for a checkpoint folder of a whole omni model (thinker + talker + token2wav)."""
+    if model is None:
+        return False
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = set(data.get("architectures") or ())
+    return bool(architectures & set(OMNI_ARCHITECTURES)) or data.get("model_type") == "qwen2_5_omni"
+
+
+@dataclass
+class OmniModel:
+    """The loaded stages of one checkpoint. Engines share it: each owns only its KV caches.
+
+    ``talker_module`` is HF's talker, with its attention switched to paged
+    attention by ``paged_talker``. ``talker_text_rows`` are the few thinker
+    embedding rows the talker needs (speaker bos ids, ``tts_text_end``,
+    ``tts_text_pad``). ``talker``, ``paged_talker`` and ``token2wav`` are None
+    for a checkpoint without audio output.
+    """
+
+    thinker: LoadedModel
+    talker_module: Any | None
+    talker_text_rows: dict[int, torch.Tensor]
+    paged_talker: PagedOmniTalker | None
+    token2wav: Qwen2_5OmniToken2Wav | None
+    speakers: dict[str, dict[str, Any]]
+
+    @property
+    def has_audio_output(self) -> bool:
+        return self.paged_talker is not None and self.token2wav is not None and bool(self.speakers)
+
+
+def load_qwen2_5_omni(
+    model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> OmniModel:
+    """Load a ``Qwen2_5OmniForConditionalGeneration`` folder (with ``spk_dict.pt`` for audio)."""
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    path = Path(model).expanduser()
+    if not is_omni_checkpoint(path):
+        raise ValueError(f"{str(path)!r} is not a Qwen2.5-Omni checkpoint folder (config.json architectures)")
+    with hf_progress_bars_off():
+        hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=resolve_dtype(dtype))
+    hf.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text_config = hf.config.thinker_config.get_text_config()
+    # One load for all stages: the thinker runs as the multimodal loader builds it
+    # (text stack on paged attention, towers as transformers runs them).
+    adapter = ThinkerForTalkerAdapter(hf.thinker)
+    thinker = LoadedModel(
+        model=CausalLM(TextStackView(adapter)),  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        hf_config=hf.config,
+        eos_token_ids=eos_token_ids(path, hf.config.thinker_config, tokenizer),
+        max_model_len=int(getattr(text_config, "max_position_embeddings", 2048)),
+        model_path=str(path),
+        name=path.resolve().name,
+        mm_adapter=adapter,
+    )
+    speakers = dict(getattr(hf, "speaker_map", {}) or {})
+    if not getattr(hf, "has_talker", False):
+        return OmniModel(thinker, None, {}, None, None, speakers)
+    ids = {int(p["bos_token"]) for p in speakers.values()}
+    ids |= {int(hf.talker.config.tts_text_end_token_id), int(hf.talker.config.tts_text_pad_token_id)}
+    table = hf.thinker.get_input_embeddings()
+    with torch.no_grad():
+        rows = {i: table(torch.tensor([i], device=table.weight.device))[0].clone() for i in sorted(ids)}
+    return OmniModel(
+        thinker=thinker,
+        talker_module=hf.talker,
+        talker_text_rows=rows,
+        paged_talker=PagedOmniTalker(hf.talker),
+        token2wav=Qwen2_5OmniToken2Wav(hf.token2wav, speakers),
+        speakers=speakers,
+    )

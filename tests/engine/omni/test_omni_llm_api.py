@@ -1,0 +1,172 @@
+"""OmniLLM.generate: what callers get, speakers, seeds, and audio-less requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import wave
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from omni_utils import GREEDY_TALKER, SMALL, assert_nothing_held, assert_same_answer
+
+from omnistage.engine.omni.loader import is_omni_checkpoint
+from omnistage.entrypoints.omni_llm import OmniLLM, write_wav
+from omnistage.sampling_params import SamplingParams
+
+SP = SamplingParams(temperature=0.0, max_tokens=8)
+PROMPT = "hello there, how are you"
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm: Any) -> OmniLLM:
+    return make_llm()
+
+
+@pytest.fixture(scope="module")
+def chelsie(llm: OmniLLM) -> Any:
+    return llm.generate(PROMPT, SP, speaker="Chelsie")[0]
+
+
+def test_output_shape_and_types(chelsie: Any) -> None:
+    out = chelsie
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text and len(out.outputs[0].token_ids) == 8
+    assert isinstance(out.audio, np.ndarray) and out.audio.dtype == np.float32 and out.audio.ndim == 1
+    assert out.sample_rate == 24000 and type(out.sample_rate) is int
+    assert out.audio.shape == (480 * len(out.extra["codec_token_ids"]),)
+
+
+def test_speaker_none_is_chelsie_and_ethan_differs(llm: OmniLLM, chelsie: Any) -> None:
+    assert_same_answer(llm.generate(PROMPT, SP)[0], chelsie)
+    ethan = llm.generate(PROMPT, SP, speaker="Ethan")[0]
+    assert ethan.outputs[0].token_ids == chelsie.outputs[0].token_ids  # the text does not depend on the voice
+    assert ethan.extra["codec_token_ids"] != chelsie.extra["codec_token_ids"]
+
+
+def test_return_audio_false_skips_talker_and_token2wav(make_llm: Any, chelsie: Any) -> None:
+    llm = make_llm()
+    decoded = []
+    llm.pipeline.token2wav.token2wav = lambda *a, **k: decoded.append(a)  # type: ignore[assignment]
+    out = llm.generate(PROMPT, SP, return_audio=False)[0]
+    assert out.audio is None and out.sample_rate is None
+    assert out.outputs[0].token_ids == chelsie.outputs[0].token_ids
+    assert llm.pipeline.talker.scheduler.kv_cache_manager.stats.num_queries == 0 and not decoded
+    assert llm.pipeline.thinker.runner.num_collecting == 0  # no rows were kept for a talker
+    assert_nothing_held(llm)
+
+
+def test_bad_requests_raise_and_queue_nothing(llm: OmniLLM) -> None:
+    with pytest.raises(ValueError, match=r"unknown speaker 'Nobody'.*\['Chelsie', 'Ethan'\]"):
+        llm.generate([PROMPT, "second"], SP, speaker="Nobody")
+    with pytest.raises(ValueError, match="n=1 only"):
+        llm.generate(PROMPT, SamplingParams(n=2, max_tokens=4))
+    with pytest.raises(ValueError, match="unknown talker parameters"):
+        llm.generate(PROMPT, SP, talker_params={"beam_width": 3})
+    assert llm.generate(PROMPT, SamplingParams(n=2, max_tokens=3), return_audio=False)[0].audio is None
+    assert_nothing_held(llm)
+
+
+def test_seeded_noise_is_transformers_noise_after_manual_seed(make_llm: Any, hf_model: Any) -> None:
+    """``SamplingParams.seed`` wins over ``LLM(seed=...)``; either way the
+    waveform is transformers' token2wav after ``torch.manual_seed(seed)``."""
+    llm = make_llm(seed=5)
+    by_engine, by_request = llm.generate([PROMPT, PROMPT], [SP, dataclasses.replace(SP, seed=99)])
+    assert by_engine.extra["codec_token_ids"] == by_request.extra["codec_token_ids"]
+    assert not np.array_equal(by_engine.audio, by_request.audio)
+    for out, seed in ((by_engine, 5), (by_request, 99)):
+        params = hf_model.speaker_map["Chelsie"]
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            ref = hf_model.token2wav(
+                torch.tensor([out.extra["codec_token_ids"]]),
+                conditioning=params["cond"].float()[None],
+                reference_mel=params["ref_mel"].float(),
+            ).reshape(-1)
+        np.testing.assert_allclose(out.audio, ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_sampled_talker_audio_depends_only_on_the_request(make_llm: Any) -> None:
+    """A sampling talker, seeded per request: the same request gives the same
+    audio alone or in a batch. (The tiny codec head's margins are wide, so it
+    takes a hot temperature to make sampling differ from greedy.)"""
+    prompts = [PROMPT, "tell me a story about the sea", "a b c d"]
+    params = [dataclasses.replace(SP, seed=s) for s in (1, 2, 3)]
+    sampling = {"max_tokens": 16, "temperature": 8.0, "top_k": 0, "top_p": 1.0}
+    batched = make_llm(talker_params=sampling).generate(prompts, params)
+    alone = make_llm(talker_params=sampling).generate(prompts[1], params[1])[0]
+    assert_same_answer(batched[1], alone)
+    greedy = make_llm(talker_params={"temperature": 0.0, "max_tokens": 16}).generate(prompts[1], params[1])[0]
+    assert greedy.extra["codec_token_ids"] != alone.extra["codec_token_ids"]
+
+
+def test_checkpoint_without_audio_output(omni_model: Any) -> None:
+    textual = dataclasses.replace(omni_model, talker_module=None, paged_talker=None, token2wav=None)
+    llm = OmniLLM(textual, block_size=4, max_model_len=128, num_kv_blocks=64)
+    assert llm.pipeline.thinker.runner.tensor_cache is not None  # declared by the model; unused but kept
+    with pytest.raises(ValueError, match="cannot return audio"):
+        llm.generate(PROMPT, SP)
+    out = llm.generate(PROMPT, SP, return_audio=False)[0]
+    assert out.audio is None and len(out.outputs[0].token_ids) == 8
+
+
+def test_chat_and_wav_file(llm: OmniLLM, tmp_path: Any) -> None:
+    out = llm.chat([{"role": "user", "content": "hi there"}], SP)[0]
+    assert out.prompt and out.audio is not None
+    path = write_wav(tmp_path / "answer.wav", out.audio, out.sample_rate)
+    with wave.open(str(path)) as f:
+        assert (f.getframerate(), f.getnchannels(), f.getsampwidth()) == (24000, 1, 2)
+        assert f.getnframes() == out.audio.shape[0]
+
+
+def test_is_omni_checkpoint(omni_dir: Any, tmp_path: Any) -> None:
+    from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
+
+    assert is_omni_checkpoint(omni_dir)
+    assert not is_omni_checkpoint(write_tiny_qwen2_5_omni_thinker(tmp_path / "thinker"))
+    assert not is_omni_checkpoint(tmp_path / "missing") and not is_omni_checkpoint(None)
+
+
+def test_short_and_stop_string_answers(llm: OmniLLM, chelsie: Any) -> None:
+    one = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert len(one.outputs[0].token_ids) == 1  # nothing for the talker to condition on
+    assert one.audio is not None and one.audio.shape == (0,) and one.audio.dtype == np.float32
+    assert one.sample_rate == 24000
+    # A stop string ends the thinker early; the talker gets exactly the rows it forwarded.
+    text = chelsie.outputs[0].text
+    stop = next(c for c in text[2:] if c.strip())
+    out = llm.generate(PROMPT, dataclasses.replace(SP, stop=[stop]))[0]
+    assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text
+    assert len(out.outputs[0].token_ids) < len(chelsie.outputs[0].token_ids)
+    assert out.audio is not None
+    assert_nothing_held(llm)
+
+
+def test_llm_dispatches_omni_checkpoints_to_the_pipeline(omni_dir: Any, chelsie: Any) -> None:
+    from omnistage import LLM
+
+    llm = LLM(model=str(omni_dir), **SMALL, talker_params=dict(GREEDY_TALKER))
+    assert isinstance(llm, OmniLLM)
+    out = llm.generate(PROMPT, SP)[0]
+    assert_same_answer(out, chelsie)
+    assert np.array_equal(out.audio, chelsie.audio) and out.sample_rate == 24000
+
+
+def test_cli_generate_writes_the_spoken_answer(omni_dir: Any, tmp_path: Any, chelsie: Any) -> None:
+    import io
+    import json
+
+    from omnistage.entrypoints.cli import build_parser, run_generate
+
+    args = build_parser().parse_args(
+        ["generate", PROMPT, "--model", str(omni_dir), "--max-tokens", "8", "--audio-dir", str(tmp_path),
+         "--block-size", "4", "--max-model-len", "256", "--num-kv-blocks", "256", "--talker-max-tokens", "8"]
+    )
+    out = io.StringIO()
+    assert run_generate(args, out) == 0
+    row = json.loads(out.getvalue())
+    assert row["token_ids"] == chelsie.outputs[0].token_ids
+    assert row["sample_rate"] == 24000
+    with wave.open(row["audio_path"], "rb") as f:
+        assert f.getframerate() == 24000 and f.getnchannels() == 1 and f.getnframes() > 0
