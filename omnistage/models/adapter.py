@@ -1,19 +1,29 @@
 """The engine's view of a Hugging Face ``*ForCausalLM``.
 
-The HF modules do all the model math; we only swap their attention function
-for omnistage's paged one (:data:`~omnistage.worker.attention.ATTN_IMPL`) and
-run the base model on a step's packed tokens as a batch of one. The LM head
-is kept apart so the runner computes logits only for the tokens it samples.
+The HF modules hold the weights. For Llama, Qwen2 and Qwen3 a lean forward
+(:mod:`omnistage.models.fast_forward`) runs the decoder math over those same
+weights with far fewer ops per layer; any other model runs HF's own modules
+with their attention function swapped for omnistage's paged one
+(:data:`~omnistage.worker.attention.ATTN_IMPL`), on a step's packed tokens as
+a batch of one. The LM head is kept apart so the runner computes logits only
+for the tokens it samples.
+
+``OMNISTAGE_LEAN_FORWARD=0`` in the environment (read when a model is
+wrapped) or ``CausalLM.use_lean = False`` selects the HF modeling path.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from omnistage.models.fast_forward import LeanDecoder, lean_decoder_or_none
 from omnistage.worker.attention import ATTN_IMPL, AttentionMetadata, attention_context
+
+LEAN_ENV = "OMNISTAGE_LEAN_FORWARD"
 
 
 class CausalLM:
@@ -24,7 +34,7 @@ class CausalLM:
     :meth:`forward` (it needs the step's attention context).
     """
 
-    def __init__(self, hf_model: PreTrainedModel) -> None:
+    def __init__(self, hf_model: PreTrainedModel, lean: bool | None = None) -> None:
         hf_model.eval()
         hf_model.set_attn_implementation(ATTN_IMPL)
         if hf_model.config._attn_implementation != ATTN_IMPL:
@@ -44,6 +54,16 @@ class CausalLM:
         self._head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
         self._hidden_size = int(text.hidden_size)
         self._vocab_size = int(text.vocab_size)
+        if lean is None:
+            lean = os.environ.get(LEAN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self._lean: LeanDecoder | None = lean_decoder_or_none(hf_model) if lean else None
+        # Switch to the HF path at any time; the lean one needs a supported model.
+        self.use_lean = self._lean is not None
+
+    @property
+    def lean(self) -> LeanDecoder | None:
+        """The lean decoder when the model qualifies (see :mod:`omnistage.models.fast_forward`)."""
+        return self._lean
 
     @property
     def hf_model(self) -> PreTrainedModel:
@@ -99,6 +119,8 @@ class CausalLM:
         """
         if len(kv_caches) != self._num_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for a model with {self._num_layers} layers")
+        if self.use_lean and self._lean is not None and positions.dim() == 1:
+            return self._lean.forward(input_ids, positions, attn_metadata, kv_caches, inputs_embeds)
         position_ids = positions[None] if positions.dim() == 1 else positions[:, None]  # batch dim of one
         with attention_context(attn_metadata, kv_caches):
             if inputs_embeds is not None:
@@ -112,6 +134,8 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` fp32 logits for the ``N`` rows that sample."""
+        if self.use_lean and self._lean is not None and hidden_states.dim() == 2:
+            return self._lean.lm_head(hidden_states).float()
         return self._lm_head(hidden_states).float()
 
     @torch.inference_mode()

@@ -25,7 +25,15 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from omnistage.worker.input_batch import BatchStep
-from omnistage.worker.kv_cache import allocate_kv_caches, gather_kv, write_kv
+from omnistage.worker.kv_cache import (
+    allocate_kv_caches,
+    build_dense_view,
+    dense_view,
+    flat_block_rows,
+    gather_kv,
+    invalidate_dense_view,
+    write_kv,
+)
 
 __all__ = [
     "ATTN_IMPL",
@@ -34,6 +42,7 @@ __all__ = [
     "attention_context",
     "build_attention_metadata",
     "get_attention_context",
+    "paged_attention",
     "paged_attention_forward",
 ]
 
@@ -74,7 +83,49 @@ class AttentionMetadata:
     query_index: torch.Tensor | None = None  # [R * Lq] packed token of each padded query
     output_index: torch.Tensor | None = None  # [T] padded row of each packed token
     attn_mask: torch.Tensor | None = None  # [R, 1, Lq, Lk] bool
+    kv_len: int = 0  # keys read per sequence from the cache (decode, mixed)
+    # Decode steps only: (request ids, context lengths) after this step and before it,
+    # to recognise a plain continuation of the previous step (see kv_cache.DenseDecodeView).
+    step_key: tuple | None = None
+    prev_step_key: tuple | None = None
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _dense_index: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _flat_ids: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def flat_gather_ids(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+        """``gather_block_ids`` as rows of a cache half viewed ``[heads * num_blocks, block_size * D]``.
+
+        Made by the first layer that asks, then shared: one ``index_select``
+        along dim 0 (whole contiguous rows) then reads every head's blocks.
+        """
+        key = (num_kv_heads, num_blocks)
+        ids = self._flat_ids.get(key)
+        if ids is None:
+            assert self.gather_block_ids is not None
+            ids = flat_block_rows(self.gather_block_ids, num_kv_heads, num_blocks)
+            self._flat_ids[key] = ids
+        return ids
+
+    def dense_index(self, capacity: int) -> torch.Tensor:
+        """Column of each sequence's new token in a ``[Hkv, R * capacity, D]`` dense view."""
+        index = self._dense_index.get(capacity)
+        if index is None:
+            rows = torch.arange(self.num_reqs, device=self.seq_lens.device) * capacity
+            index = self._dense_index[capacity] = rows + self.seq_lens - 1
+        return index
+
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``attn_mask`` of a decode step as an additive ``[1, R, 1, Lk]`` bias (0 or -inf)."""
+        if self.attn_mask is None:
+            return None
+        bias = self._bias.get(dtype)
+        if bias is None:
+            r, _, _, lk = self.attn_mask.shape
+            bias = torch.zeros((1, r, 1, lk), dtype=dtype, device=self.attn_mask.device)
+            bias.masked_fill_(~self.attn_mask.view(1, r, 1, lk), float("-inf"))
+            self._bias[dtype] = bias
+        return bias
 
     def grouped_mask(self, group: int) -> torch.Tensor | None:
         """``attn_mask`` for queries laid out as ``[Hkv, R, group * Lq, D]`` (see ``_attend_cache``).
@@ -168,10 +219,16 @@ def build_attention_metadata(step: BatchStep, block_size: int) -> AttentionMetad
         ids = ids * dev(used)  # stale entries past a row's blocks -> block 0, masked out below
     md.gather_block_ids = ids.reshape(-1)
     kv_len = blocks_per_seq * block_size
+    if kind == DECODE and write_index is None:
+        req_ids = tuple(step.req_ids)
+        md.step_key = (req_ids, tuple(seq_lens.tolist()))
+        md.prev_step_key = (req_ids, tuple((seq_lens - 1).tolist()))
     if r == 1:
         md.single_kv_len = kv_len = int(seq_lens[0])
         if kind == DECODE:
+            md.kv_len = kv_len
             return md
+    md.kv_len = kv_len
     limit = np.minimum(computed[:, None] + cols[None, :], seq_lens[:, None] - 1)  # [R, Lq]
     if kind == DECODE and (limit == kv_len - 1).all():
         return md
@@ -234,64 +291,140 @@ def paged_attention_forward(
             f"attention implementation {ATTN_IMPL!r} was called outside omnistage's attention_context(); "
             "run the model through omnistage.models.adapter.CausalLM.forward"
         )
-    md = ctx.metadata
     cache = ctx.kv_caches[module.layer_idx]
-    write_kv(cache, key[0], value[0], md.write_slots, md.write_token_index)
+    out = paged_attention(query[0], key[0], value[0], cache, ctx.metadata, scaling)
+    return out[None], None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    md: AttentionMetadata,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One layer's paged attention on packed tokens, heads first.
+
+    ``query`` ``[H, T, D]`` and ``key``/``value`` ``[Hkv, T, D]`` (views are
+    fine, e.g. a transposed ``[T, H, D]``; RoPE already applied) in,
+    ``[T, H, D]`` out. Writes this step's keys/values into ``cache`` first.
+    Used by the HF attention-interface function and by the lean forward
+    (:mod:`omnistage.models.fast_forward`).
+    """
+    write_kv(cache, key, value, md.write_slots, md.write_token_index)
     kind = md.kind
+    if kind != DECODE:
+        invalidate_dense_view(cache)
     if kind == DECODE or kind == MIXED:
-        return _attend_cache(query, cache, md, scaling), None
-    gqa = query.shape[1] != key.shape[1]
+        return _attend_cache(query, cache, md, scaling, key, value)
+    gqa = query.shape[0] != key.shape[0]
     if kind == PREFILL_SINGLE:
         # One fresh sequence: the packed batch already is its causal layout.
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2), None
+        out = F.scaled_dot_product_attention(
+            query[None], key[None], value[None], is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        return out[0].transpose(0, 1)
     # Several fresh sequences: nothing to read from the cache, pad this step's q/k/v per sequence.
     q, k, v = _pad(query, md), _pad(key, md), _pad(value, md)
     mask = md.attn_mask
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa)
-    out = out.transpose(1, 2)  # [R, Lq, H, D]
+    out = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])  # [R * Lq, H, D]
     if md.output_index is not None:
-        out = out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, md.output_index)
-    return out.reshape(1, md.num_tokens, out.shape[-2], out.shape[-1]), None
+        out = out.index_select(0, md.output_index)
+    return out
 
 
 def _pad(x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-    """Packed ``[1, heads, T, D]`` -> padded ``[R, heads, Lq, D]``."""
-    x = x[0]
+    """Packed ``[heads, T, D]`` -> padded ``[R, heads, Lq, D]``."""
     if md.query_index is not None:
         x = x.index_select(1, md.query_index)
-    return x.view(x.shape[0], md.num_reqs, md.max_query_len, x.shape[2]).transpose(0, 1)
+    return x.reshape(x.shape[0], md.num_reqs, md.max_query_len, x.shape[2]).transpose(0, 1)
+
+
+def _decode_context(
+    cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values ``[Hkv, R, kv_len, D]`` of a decode step, from the layer's dense view when
+    this step continues the previous one (appending ``key``/``value``, this step's
+    ``[Hkv, R, D]``), else gathered from the blocks (and a view built for the next steps)."""
+    view = dense_view(cache)
+    r, kv_len = md.num_reqs, md.kv_len
+    if (
+        view.valid
+        and view.key == md.prev_step_key
+        and view.keys.shape[1] == r
+        and view.keys.shape[2] >= kv_len
+    ):
+        capacity = view.keys.shape[2]
+        heads, dim = view.keys.shape[0], view.keys.shape[3]
+        index = md.dense_index(capacity)
+        view.keys.view(heads, r * capacity, dim).index_copy_(1, index, key)
+        view.values.view(heads, r * capacity, dim).index_copy_(1, index, value)
+        k, v = view.keys[:, :, :kv_len], view.values[:, :, :kv_len]
+    else:
+        k, v = gather_kv(cache, md.flat_gather_ids(cache.shape[1], cache.shape[2]), r)
+        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        if view.key == md.prev_step_key:
+            # The second decode step of the same batch in a row: later ones will likely follow.
+            build_dense_view(view, cache, k, v, md.block_size)
+        else:
+            view.valid = False
+    view.key = md.step_key
+    return k, v
 
 
 def _attend_cache(
-    query: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata, scaling: float | None
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    md: AttentionMetadata,
+    scaling: float | None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Queries over each sequence's cached blocks (decode, chunked prefill, prefix hits).
+    """Queries ``[H, T, D]`` over each sequence's cached blocks (decode, chunked prefill, prefix hits).
 
     Grouped-query attention without repeating K/V: the ``group`` query heads
     that share a KV head become that KV head's query rows, so q is
     ``[Hkv, R, group * Lq, D]`` against K/V ``[Hkv, R, Lk, D]`` straight from
-    :func:`gather_kv`. HF orders heads so that query head ``h`` reads KV head
-    ``h // group``, which is what viewing ``H`` as ``(Hkv, group)`` gives.
+    :func:`gather_kv` (or, for a decode step that continues the previous one,
+    from the layer's dense view; ``key``/``value`` are then this step's new
+    ``[Hkv, T, D]``, appended to it). HF orders heads so that query head
+    ``h`` reads KV head ``h // group``, which is what viewing ``H`` as
+    ``(Hkv, group)`` gives.
     """
-    _, num_heads, num_tokens, head_dim = query.shape
+    num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = cache.shape[1]
     group = num_heads // num_kv_heads
     r, lq = md.num_reqs, md.max_query_len
-    q = query[0].view(num_kv_heads, group, num_tokens, head_dim)  # [Hkv, G, T, D]
+    q = query.view(num_kv_heads, group, num_tokens, head_dim)  # [Hkv, G, T, D]
     if md.query_index is not None:
         q = q.index_select(2, md.query_index)
     # [Hkv, G, R, Lq, D] -> [Hkv, R, G * Lq, D]; for decode (Lq == 1) this is a small copy of q only.
-    q = q.view(num_kv_heads, group, r, lq, head_dim).transpose(1, 2).reshape(num_kv_heads, r, group * lq, head_dim)
-    k, v = gather_kv(cache, md.gather_block_ids, r)
-    if md.single_kv_len is not None:
-        k, v = k[:, :, : md.single_kv_len], v[:, :, : md.single_kv_len]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.grouped_mask(group), scale=scaling)
+    q = q.reshape(num_kv_heads, group, r, lq, head_dim).transpose(1, 2).reshape(num_kv_heads, r, group * lq, head_dim)
+    if md.step_key is not None and key is not None:
+        k, v = _decode_context(cache, key, value, md)
+    else:
+        k, v = gather_kv(cache, md.flat_gather_ids(num_kv_heads, cache.shape[2]), r)
+        if md.single_kv_len is not None:
+            k, v = k[:, :, : md.single_kv_len], v[:, :, : md.single_kv_len]
+    if lq == 1 and q.dtype == torch.float32:
+        # Decode: a handful of query rows per sequence. Two batched matmuls and a softmax
+        # beat the flash kernel (built for long query blocks) by ~1.5x at these shapes.
+        # (Reduced precision keeps SDPA, which accumulates the softmax in fp32.)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores.mul_(head_dim**-0.5 if scaling is None else scaling)
+        bias = md.decode_bias(scores.dtype)
+        if bias is not None:
+            scores.add_(bias)
+        out = torch.matmul(scores.softmax(-1), v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=md.grouped_mask(group), scale=scaling)
     # [Hkv, R, G * Lq, D] -> [R, Lq, Hkv, G, D] -> packed [T, H, D]
     out = out.view(num_kv_heads, r, group, lq, head_dim).permute(1, 3, 0, 2, 4).reshape(r * lq, num_heads, head_dim)
     if md.output_index is not None:
         out = out.index_select(0, md.output_index)
-    return out.view(1, md.num_tokens, num_heads, head_dim)
+    return out
 
 
 AttentionInterface.register(ATTN_IMPL, paged_attention_forward)

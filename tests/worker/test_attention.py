@@ -26,6 +26,7 @@ from omnistage.worker.attention import (
     build_attention_metadata,
     paged_attention_forward,
 )
+from omnistage.worker import kv_cache
 from omnistage.worker.input_batch import InputBatch
 
 BLOCK = 4
@@ -68,10 +69,14 @@ class PagedHarness:
         return out
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+@pytest.fixture(scope="module", params=[(a, p) for a in TINY_ARCHS for p in ("lean", "hf")], ids=lambda x: "-".join(x))
 def models(request, tmp_path_factory):
-    path = write_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    """Our model on the lean forward or on HF's modules with the paged attention function."""
+    arch, path_kind = request.param
+    path = write_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
     ours = load_model(str(path)).model
+    assert ours.lean is not None
+    ours.use_lean = path_kind == "lean"
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     return ours, ref
 
@@ -247,3 +252,91 @@ def test_inputs_embeds_equal_input_ids(models):
         outs.append(ours.forward(step.input_ids, step.positions, md, h.caches, inputs_embeds=embeds))
     assert outs[0].shape == (7, ours.hidden_size)
     torch.testing.assert_close(outs[0], outs[1])
+
+
+def decode_and_check(h: PagedHarness, ref, seqs: dict[str, list[int]], done: dict[str, int], steps: int) -> None:
+    """``steps`` decode steps of every request in ``done`` (tokens computed so far), each checked."""
+    for _ in range(steps):
+        out = h.step({r: 1 for r in done})
+        for r in done:
+            pos = done[r]
+            check(out[r][0], reference_logits(ref, seqs[r][: pos + 1])[pos])
+            done[r] += 1
+
+
+def test_dense_decode_view_is_built_reused_and_grown(models, monkeypatch):
+    """Decode steps of an unchanged batch read a contiguous per-layer view; with a margin of one
+    key it is rebuilt (grown) every few steps."""
+    ours, ref = models
+    monkeypatch.setattr(kv_cache, "DENSE_DECODE_MARGIN", 1)
+    lens = [3, 9, 5]
+    seqs = {f"r{i}": s for i, s in enumerate(prompts(ours.vocab_size, [n + 8 for n in lens], seed=12))}
+    h = PagedHarness(ours, seed=12)
+    for r, s in seqs.items():
+        h.add(r, s)
+    h.step({f"r{i}": n for i, n in enumerate(lens)})
+    view = kv_cache.dense_view(h.caches[0])
+    assert not view.valid
+    done = {f"r{i}": n for i, n in enumerate(lens)}
+    decode_and_check(h, ref, seqs, done, 1)
+    assert not view.valid  # the first decode step of a batch only records it
+    capacities = set()
+    for _ in range(7):
+        decode_and_check(h, ref, seqs, done, 1)
+        assert view.valid and view.keys.shape[1] == 3
+        capacities.add(view.keys.shape[2])
+    assert len(capacities) > 1
+
+
+def test_dense_decode_view_follows_batch_changes(models):
+    """A request leaving (its row refilled by the last one) or joining, or a request id coming
+    back with other tokens, never lets a stale view be read."""
+    ours, ref = models
+    seqs = {f"r{i}": s for i, s in enumerate(prompts(ours.vocab_size, [16, 14, 16], seed=13))}
+    h = PagedHarness(ours, seed=13)
+    for r in ("r0", "r1", "r2"):
+        h.add(r, seqs[r])
+    h.step({"r0": 6, "r1": 5, "r2": 4})
+    done = {"r0": 6, "r1": 5, "r2": 4}
+    decode_and_check(h, ref, seqs, done, 3)
+    assert kv_cache.dense_view(h.caches[0]).valid
+    h.batch.remove_request("r0")  # r2 moves into row 0
+    del done["r0"]
+    decode_and_check(h, ref, seqs, done, 3)
+    # r0 comes back under the same id with a different prompt of the same length.
+    seqs["r0"] = prompts(ours.vocab_size, [16], seed=14)[0]
+    h.add("r0", seqs["r0"])
+    out = h.step({"r1": 1, "r2": 1, "r0": done["r1"] + 1})
+    check(out["r0"], reference_logits(ref, seqs["r0"])[: done["r1"] + 1])
+    for r in ("r1", "r2"):
+        check(out[r][0], reference_logits(ref, seqs[r][: done[r] + 1])[done[r]])
+        done[r] += 1
+    done["r0"] = done["r1"]
+    decode_and_check(h, ref, seqs, done, 2)
+
+
+def test_dense_decode_view_respects_the_byte_budget(models, monkeypatch):
+    ours, ref = models
+    monkeypatch.setenv(kv_cache.DENSE_DECODE_ENV, "0")
+    seqs = {f"r{i}": s for i, s in enumerate(prompts(ours.vocab_size, [10, 7], seed=15))}
+    h = PagedHarness(ours, seed=15)
+    for r, s in seqs.items():
+        h.add(r, s)
+    h.step({"r0": 5, "r1": 3})
+    done = {"r0": 5, "r1": 3}
+    decode_and_check(h, ref, seqs, done, 4)
+    view = kv_cache.dense_view(h.caches[0])
+    assert view.keys is None and not view.valid
+
+
+def test_dense_decode_view_when_the_scheduled_subset_changes(models):
+    """Two decode steps of {r0, r1}, then of {r1, r2}: same batch size, other requests."""
+    ours, ref = models
+    seqs = {f"r{i}": s for i, s in enumerate(prompts(ours.vocab_size, [14, 12, 10], seed=16))}
+    h = PagedHarness(ours, seed=16)
+    for r, s in seqs.items():
+        h.add(r, s)
+    h.step({"r0": 5, "r1": 4, "r2": 3})
+    decode_and_check(h, ref, seqs, {"r0": 5, "r1": 4}, 3)
+    decode_and_check(h, ref, seqs, {"r1": 7, "r2": 3}, 3)
+    decode_and_check(h, ref, seqs, {"r0": 8, "r2": 6}, 2)
