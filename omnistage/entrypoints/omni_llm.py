@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import wave
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from omnistage.engine.omni.token2wav_stage import Token2WavStage
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["OmniLLM", "is_omni_checkpoint", "write_wav"]
+__all__ = ["OmniLLM", "encode_wav", "is_omni_checkpoint", "write_wav"]
 
 Conversation = list[dict[str, Any]]
 
@@ -163,13 +164,21 @@ class OmniLLM:
 def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int) -> Path:
     """Write a float waveform in [-1, 1] as 16-bit PCM mono WAV (for the CLI)."""
     path = Path(path)
+    path.write_bytes(encode_wav(audio, sample_rate))
+    return path
+
+
+def encode_wav(audio: np.ndarray, sample_rate: int) -> bytes:
+    """A float waveform in [-1, 1] as the bytes of a 16-bit PCM mono WAV file
+    (samples clipped, scaled by 32767 and rounded)."""
     pcm = (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2")
-    with wave.open(str(path), "wb") as f:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
         f.setnchannels(1)
         f.setsampwidth(2)
         f.setframerate(int(sample_rate))
         f.writeframes(pcm.tobytes())
-    return path
+    return buf.getvalue()
 
 
 def _as_overrides(params: TalkerParams) -> dict[str, Any]:

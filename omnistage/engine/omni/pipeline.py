@@ -44,6 +44,12 @@ class OmniPipeline:
     ``seed`` when that is None. It drives the talker's sampling and token2wav's
     initial noise, which is then the noise transformers draws right after
     ``torch.manual_seed(seed)``.
+
+    Streaming: after ``step()``, ``progress`` holds the thinker's cumulative
+    outputs from that step for requests the pipeline still holds: those still
+    generating text, and those whose text is done (``finished`` is the
+    thinker's) while their audio is not. ``step()`` itself returns only
+    complete requests.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class OmniPipeline:
         self.default_talker_params = default_talker_params
         self.seed = seed
         self._pending: dict[str, _Pending] = {}
+        self.progress: list[RequestOutput] = []
 
     @property
     def has_audio_output(self) -> bool:
@@ -120,8 +127,11 @@ class OmniPipeline:
 
     def step(self) -> list[RequestOutput]:
         done: list[RequestOutput] = []
+        thinker_outs: list[RequestOutput] = []
         if self.thinker.has_unfinished_requests():
-            for result in self.thinker.step():
+            results = self.thinker.step()
+            thinker_outs = [*self.thinker.progress, *(r.output for r in results)]
+            for result in results:
                 self._thinker_finished(result, done)
         if self.talker is not None and self.talker.has_unfinished_requests():
             assert self.token2wav is not None
@@ -133,6 +143,8 @@ class OmniPipeline:
         if self.token2wav is not None and self.token2wav.has_unfinished_requests():
             for audio in self.token2wav.step():
                 self._finish(audio.request_id, audio.audio, audio.sample_rate, done)
+        # Filtered last: requests aborted or completed during this step are not in progress.
+        self.progress = [out for out in thinker_outs if out.request_id in self._pending]
         return done
 
     def _thinker_finished(self, result: ThinkerResult, done: list[RequestOutput]) -> None:

@@ -51,6 +51,9 @@ class ThinkerStage:
         if not isinstance(self.runner, ThinkerStageRunner):
             raise RuntimeError(f"the thinker engine runs a {type(self.runner).__name__}, expected a ThinkerStageRunner")
         self._feeds_talker: dict[str, dict[str, Any]] = {}  # request id -> grid fields of its prompt
+        # The last step's outputs of requests still generating (cumulative, as
+        # LLMEngine gives them): what a server streams while the thinker talks.
+        self.progress: list[RequestOutput] = []
 
     @property
     def tokenizer(self) -> Any:
@@ -98,10 +101,14 @@ class ThinkerStage:
         }
 
     def step(self) -> list[ThinkerResult]:
+        """The requests finished this step; the others' outputs go to ``progress``."""
         results = []
+        self.progress = []
         for out in self.engine.step():
             if out.finished:
                 results.append(ThinkerResult(out, self._handoff(out)))
+            else:
+                self.progress.append(out)
         return results
 
     def _handoff(self, out: RequestOutput) -> ThinkerOutputForTalker | None:

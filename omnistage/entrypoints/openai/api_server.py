@@ -61,6 +61,8 @@ class ServerOptions:
     max_image_pixels: int = MediaLimits.max_image_pixels
     max_audio_seconds: float = MediaLimits.max_audio_seconds
     stats_timeout_s: float = 10.0  # /metrics waits at most this long for the engine thread
+    # Omni checkpoints: overrides of the talker's sampling (``TalkerParams`` fields), for every request.
+    talker_params: dict[str, Any] | None = None
 
 
 async def read_json_body(request: Request, limit: int) -> Any:
@@ -87,8 +89,17 @@ async def read_json_body(request: Request, limit: int) -> Any:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-def _default_engine_factory(engine_args: Any) -> Callable[[], Any]:
+def _default_engine_factory(engine_args: Any, options: ServerOptions) -> Callable[[], Any]:
+    """An ``LLMEngine``, or for a whole omni checkpoint (thinker, talker,
+    token2wav) an ``OmniEngine`` that can also speak its answers."""
+
     def make() -> Any:
+        from omnistage.engine.omni.loader import is_omni_checkpoint
+
+        if is_omni_checkpoint(getattr(engine_args, "model", None)):
+            from omnistage.entrypoints.openai.omni_engine import OmniEngine
+
+            return OmniEngine.from_engine_args(engine_args, options.talker_params)
         from omnistage.engine.llm_engine import LLMEngine
 
         return LLMEngine(engine_args)
@@ -112,7 +123,7 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app; its lifespan builds the engine in its own thread and stops it."""
     options = options or ServerOptions()
-    client = EngineClient(engine_factory or _default_engine_factory(engine_args))
+    client = EngineClient(engine_factory or _default_engine_factory(engine_args, options))
     limits = MediaLimits(
         max_image_pixels=options.max_image_pixels,
         max_audio_seconds=options.max_audio_seconds,
@@ -133,6 +144,7 @@ def build_app(
             # Multimodal / omni engines (later issues) declare what they take and give.
             input_modalities=frozenset(getattr(engine, "input_modalities", None) or {"text"}),
             output_modalities=frozenset(getattr(engine, "output_modalities", None) or {"text"}),
+            voices=tuple(getattr(engine, "voices", None) or ()),
         )
         app.state.ctx = ctx
         app.state.chat = ChatServing(ctx)

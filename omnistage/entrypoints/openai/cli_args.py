@@ -45,6 +45,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the KV prefix cache")
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--talker-max-tokens", type=int, default=None,
+        help="omni checkpoints: the most codec tokens the talker generates per answer (default 4096)",
+    )
     return parser
 
 
@@ -58,6 +62,7 @@ def server_options_from(args: argparse.Namespace) -> Any:
         max_request_body_bytes=args.max_request_body_bytes,
         max_image_pixels=args.max_image_pixels,
         max_audio_seconds=args.max_audio_seconds,
+        talker_params={"max_tokens": args.talker_max_tokens} if getattr(args, "talker_max_tokens", None) else None,
     )
 
 

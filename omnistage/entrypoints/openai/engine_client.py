@@ -14,6 +14,14 @@ always jumps to the newest output available.
 
 Commands carry ``concurrent.futures.Future`` results, so the same calls serve
 coroutines (``await``) and plain threads (tests, benchmarks) alike.
+
+Failures: a ``step()`` that raises costs the requests in flight, not the
+server. They end with ``EngineStepError`` and are aborted in the engine, which
+frees their KV blocks and encoder entries, and the loop serves new requests.
+The engine is marked dead (every later call fails with ``EngineDeadError``,
+``/health`` answers 503) only when that clean-up fails: the abort raises, KV
+blocks are still held afterwards, or a step fails with no request in flight
+(nothing was left to blame, so the engine's own state is broken).
 """
 
 from __future__ import annotations
@@ -33,8 +41,16 @@ from omnistage.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or the server is shutting down)."""
+class EngineError(RuntimeError):
+    """Why a request ended without a result: the server's fault, not the client's."""
+
+
+class EngineDeadError(EngineError):
+    """The engine thread stopped (recovery from a failed step failed, or the server is shutting down)."""
+
+
+class EngineStepError(EngineError):
+    """A step raised while the request was in flight; the request was aborted, the engine serves on."""
 
 
 @dataclass
@@ -218,7 +234,11 @@ class EngineClient:
                 self._handle(cmd, streams)
             if not engine.has_unfinished_requests():
                 continue
-            outputs = engine.step()
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 - recovered below, or re-raised as fatal
+                self._recover_from_step_failure(exc, streams)
+                continue
             batch: list[tuple[RequestStream, RequestOutput | BaseException]] = []
             for out in outputs:
                 stream = streams.get(out.request_id)
@@ -228,6 +248,23 @@ class EngineClient:
                     del streams[out.request_id]
                 batch.append((stream, out))
             self._deliver(batch)
+
+    def _recover_from_step_failure(self, exc: Exception, streams: dict[str, RequestStream]) -> None:
+        """Fail and abort every request in flight; raise (the engine dies) if that cannot leave it clean."""
+        logger.error(
+            "engine step failed; failing %d request(s) in flight: %s\n%s", len(streams), exc, traceback.format_exc()
+        )
+        if not streams:
+            raise RuntimeError("an engine step failed with no request in flight") from exc
+        ids = list(streams)
+        err = EngineStepError(f"the engine step failed ({type(exc).__name__}: {exc}); the request was aborted")
+        # Callers first: they learn of the failure even if the clean-up below kills the engine.
+        self._deliver([(s, err) for s in streams.values()])
+        streams.clear()
+        self.engine.abort_request(ids)
+        held = _held_kv_blocks(self.engine)
+        if held:
+            raise RuntimeError(f"{held} KV blocks are still held after aborting every request in flight") from exc
 
     def _handle(self, cmd: Any, streams: dict[str, RequestStream]) -> None:
         engine = self.engine
@@ -269,6 +306,14 @@ class EngineClient:
                 loop.call_soon_threadsafe(_deliver_on_loop, items)
             except RuntimeError:
                 pass  # the loop closed (server shutting down); nobody is listening
+
+
+def _held_kv_blocks(engine: Any) -> int:
+    """KV blocks requests hold: the engine's own count when it has stages of its own, else its stats'."""
+    count = getattr(engine, "num_held_kv_blocks", None)
+    if callable(count):
+        return int(count())
+    return int(getattr(engine.get_stats(), "kv_blocks_used", 0) or 0)
 
 
 def _deliver_on_loop(items: list[tuple[RequestStream, Any]]) -> None:

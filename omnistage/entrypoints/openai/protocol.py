@@ -211,10 +211,31 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ChatAudio(BaseModel):
+    """The spoken answer (``message.audio``): base64 WAV and its text."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
+class ChatAudioDelta(BaseModel):
+    """A piece of the spoken answer in a stream (``delta.audio``). The first piece
+    carries ``transcript`` and ``expires_at``; every piece carries ``id`` and
+    ``data``, whose base64-decoded bytes, concatenated, are one WAV file."""
+
+    id: str
+    data: str
+    expires_at: int | None = None
+    transcript: str | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    audio: ChatAudio | None = None
 
 
 class ChatChoice(BaseModel):
@@ -237,6 +258,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    audio: ChatAudioDelta | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -6,11 +6,19 @@ audio are decoded and limit-checked even though a text-only model then refuses
 them, so that a broken file is reported as broken rather than as unsupported),
 sampling values, the chat template, and finally the engine's own checks (prompt
 length, token ids).
+
+Audio output (omni checkpoints, ``modalities: ["text", "audio"]``): the answer
+comes back as OpenAI's ``message.audio`` (base64 16-bit mono WAV plus its
+transcript, the same text as ``content``). Streams send the text as content
+deltas, then the WAV in ``delta.audio`` pieces, then the finish chunk. The
+server keeps no audio for later turns, so ``expires_at`` is the creation time.
+``audio`` may be omitted: the checkpoint's default voice, WAV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,11 +26,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from omnistage.entrypoints.openai.engine_client import EngineDeadError, RequestStream
+from omnistage.entrypoints.openai.engine_client import EngineDeadError, EngineError, RequestStream
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import decode_audio, load_image
+from omnistage.entrypoints.openai.omni_engine import OmniRequestParams
 from omnistage.entrypoints.openai.protocol import (
     AudioPart,
+    ChatAudio,
+    ChatAudioDelta,
     ChatChoice,
     ChatChoiceLogprobs,
     ChatChunkChoice,
@@ -46,6 +57,7 @@ from omnistage.entrypoints.openai.serving_common import (
     add_to_engine,
     build_sampling_params,
     clamp_logprob,
+    engine_failure,
     new_id,
     record_finished,
     sse,
@@ -56,6 +68,9 @@ from omnistage.entrypoints.openai.serving_common import (
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 ENDPOINT = "chat"
+# Raw WAV bytes per streamed ``delta.audio`` piece; a multiple of 3, so each
+# piece's base64 is also a valid slice of the whole file's base64.
+AUDIO_CHUNK_BYTES = 48 * 1024
 
 
 class ChatServing:
@@ -74,7 +89,9 @@ class ChatServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         # max_completion_tokens is the newer name; it wins when both are given.
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = build_sampling_params(req, max_tokens, logprobs)
+        params: Any = build_sampling_params(req, max_tokens, logprobs)
+        if "audio" in (req.modalities or ()):
+            params = OmniRequestParams(params, return_audio=True, voice=req.audio.voice if req.audio else None)
         prompt = await self._render(messages, req)
         request_id = new_id("chatcmpl")
         stream = await add_to_engine(ctx, request_id, prompt, params, "messages")
@@ -85,10 +102,11 @@ class ChatServing:
             ctx.metrics.record_request(ENDPOINT, "aborted")
             return JSONResponse({}, status_code=499)  # nobody is left to read it
         record_finished(ctx, ENDPOINT, [final])
+        audio = _audio_of(final)
         response = ChatCompletionResponse(
             id=request_id,
             model=model,
-            choices=[self._choice(c, req) for c in final.outputs],
+            choices=[self._choice(c, req, audio) for c in final.outputs],
             usage=usage_of([final]),
         )
         return JSONResponse(response.model_dump())
@@ -107,6 +125,20 @@ class ChatServing:
             )
         if req.audio is not None and "audio" not in modalities:
             raise bad_request("'audio' output settings require 'modalities' to include 'audio'", param="audio")
+        if req.audio is None:
+            return
+        if req.audio.format != "wav":
+            raise bad_request(
+                f"Audio format {req.audio.format!r} is not supported; this server returns 'wav' only",
+                param="audio.format",
+                code="unsupported_audio_format",
+            )
+        if req.audio.voice not in self.ctx.voices:
+            raise bad_request(
+                f"Unknown voice {req.audio.voice!r}; model {self.ctx.model_name!r} has voices {list(self.ctx.voices)}",
+                param="audio.voice",
+                code="unknown_voice",
+            )
 
     @staticmethod
     def _check_unsupported(req: ChatCompletionRequest) -> None:
@@ -200,8 +232,8 @@ class ChatServing:
             async for out in stream:
                 clock.saw(out)
                 last = out
-        except EngineDeadError as exc:
-            raise APIError(str(exc), status_code=500, type="server_error") from None
+        except EngineError as exc:
+            raise engine_failure(exc) from None
         finally:
             if not stream.finished:
                 self.ctx.client.abort(request_id)
@@ -229,10 +261,15 @@ class ChatServing:
             )
         return ChatChoiceLogprobs(content=content)
 
-    def _choice(self, c: CompletionOutput, req: ChatCompletionRequest) -> ChatChoice:
+    def _choice(self, c: CompletionOutput, req: ChatCompletionRequest, audio: tuple[str, bytes] | None) -> ChatChoice:
+        spoken = None
+        if audio is not None:  # audio is n=1 only, so it is this choice's
+            audio_id, wav = audio
+            data = base64.b64encode(wav).decode("ascii")
+            spoken = ChatAudio(id=audio_id, data=data, expires_at=int(time.time()), transcript=c.text)
         return ChatChoice(
             index=c.index,
-            message=ChatResponseMessage(content=c.text),
+            message=ChatResponseMessage(content=c.text, audio=spoken),
             logprobs=self._logprobs(c, 0, req),
             finish_reason=c.finish_reason,
         )
@@ -266,6 +303,14 @@ class ChatServing:
                     if not delta and not new_tokens and c.finish_reason is None:
                         continue
                     lp = self._logprobs(c, sent_tokens[i], req) if new_tokens else None
+                    audio = _audio_of(out) if c.finish_reason is not None else None
+                    if audio is not None:
+                        # OpenAI's order: the last text, then the audio, then the finish chunk.
+                        if delta or lp is not None:
+                            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=delta or None), logprobs=lp)])
+                        delta, lp = "", None
+                        for piece in _audio_deltas(audio, c.text):
+                            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(audio=piece))])
                     choices.append(
                         ChatChunkChoice(index=i, delta=ChatDelta(content=delta or None), logprobs=lp, finish_reason=c.finish_reason)
                     )
@@ -278,12 +323,29 @@ class ChatServing:
                 yield chunk([], usage_of([last]))
             record_finished(ctx, ENDPOINT, [last])
             yield SSE_DONE
-        except EngineDeadError as exc:
+        except EngineError as exc:
             ctx.metrics.record_request(ENDPOINT, "server_error")
-            yield sse(APIError(str(exc), status_code=500, type="server_error").to_body())
+            yield sse(engine_failure(exc).to_body())
             yield SSE_DONE
         finally:
             if not stream.finished:
                 # The client went away (or we are shutting down): free the request's KV blocks now.
                 ctx.client.abort(request_id)
                 ctx.metrics.record_request(ENDPOINT, "aborted")
+
+
+def _audio_of(out: RequestOutput) -> tuple[str, bytes] | None:
+    """A finished output's spoken answer as (audio id, WAV bytes); None without audio."""
+    if out.audio is None or out.sample_rate is None:
+        return None
+    from omnistage.entrypoints.omni_llm import encode_wav  # only omni engines produce audio
+
+    return new_id("audio"), encode_wav(out.audio, out.sample_rate)  # type: ignore[arg-type]
+
+
+def _audio_deltas(audio: tuple[str, bytes], transcript: str) -> list[ChatAudioDelta]:
+    audio_id, wav = audio
+    pieces = [wav[i : i + AUDIO_CHUNK_BYTES] for i in range(0, len(wav), AUDIO_CHUNK_BYTES)] or [b""]
+    deltas = [ChatAudioDelta(id=audio_id, data=base64.b64encode(p).decode("ascii")) for p in pieces]
+    deltas[0].transcript, deltas[0].expires_at = transcript, int(time.time())
+    return deltas

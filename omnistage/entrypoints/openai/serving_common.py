@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadError, RequestStream
+from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadError, EngineError, EngineStepError, RequestStream
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLimits
 from omnistage.entrypoints.openai.metrics import ServerMetrics
@@ -39,6 +39,7 @@ class ServingContext:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     input_modalities: frozenset[str] = frozenset({"text"})
     output_modalities: frozenset[str] = frozenset({"text"})
+    voices: tuple[str, ...] = ()  # speaker names for audio output (omni checkpoints)
     _token_strs: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -128,6 +129,12 @@ async def add_to_engine(ctx: ServingContext, request_id: str, prompt: Any, param
         raise engine_rejection(exc, prompt_param) from None
     except EngineDeadError as exc:
         raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
+
+
+def engine_failure(exc: EngineError) -> APIError:
+    """A 500 for a request the engine accepted and then failed (a failed step, a dead engine)."""
+    code = "engine_step_failed" if isinstance(exc, EngineStepError) else "engine_dead"
+    return APIError(str(exc), status_code=500, type="server_error", code=code)
 
 
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:

@@ -16,8 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from omnistage.entrypoints.openai.engine_client import EngineDeadError, RequestStream
-from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.engine_client import EngineError, RequestStream
+from omnistage.entrypoints.openai.errors import bad_request
 from omnistage.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -33,6 +33,7 @@ from omnistage.entrypoints.openai.serving_common import (
     add_to_engine,
     build_sampling_params,
     clamp_logprob,
+    engine_failure,
     merge_streams,
     new_id,
     record_finished,
@@ -129,8 +130,8 @@ class CompletionServing:
             async for i, out in merge_streams(streams):
                 clock.saw(out)
                 finals[i] = out
-        except EngineDeadError as exc:
-            raise APIError(str(exc), status_code=500, type="server_error") from None
+        except EngineError as exc:
+            raise engine_failure(exc) from None
         finally:
             for rid, s in zip(ids, streams):
                 if not s.finished:
@@ -209,9 +210,9 @@ class CompletionServing:
                 yield chunk([], usage_of(done))
             record_finished(ctx, ENDPOINT, done)
             yield SSE_DONE
-        except EngineDeadError as exc:
+        except EngineError as exc:
             ctx.metrics.record_request(ENDPOINT, "server_error")
-            yield sse(APIError(str(exc), status_code=500, type="server_error").to_body())
+            yield sse(engine_failure(exc).to_body())
             yield SSE_DONE
         finally:
             unfinished = [rid for rid, s in zip(ids, streams) if not s.finished]

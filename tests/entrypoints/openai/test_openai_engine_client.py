@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadError
+from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadError, EngineStepError
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 
@@ -134,18 +134,49 @@ def test_abort_frees_the_request() -> None:
         client.shutdown()
 
 
-def test_step_failure_fails_requests_and_health() -> None:
-    client = EngineClient(lambda: FakeEngine(fail_on_step=2))
+def test_step_failure_fails_requests_and_keeps_serving() -> None:
+    engine = FakeEngine(fail_on_step=2)
+    client = EngineClient(lambda: engine)
+    client.start()
+    try:
+
+        async def main():
+            stream = await client.add_request("r", "p", 100)
+            with pytest.raises(EngineStepError, match="boom"):
+                async for _ in stream:
+                    pass
+            engine.fail_on_step = None
+            stream = await client.add_request("after", "p", 3)
+            return [o async for o in stream][-1]
+
+        assert _run(main()).finished
+        assert engine.aborted == ["r"]  # the failed request was freed in the engine
+        assert client.is_healthy
+    finally:
+        client.shutdown()
+
+
+class _AbortFails(FakeEngine):
+    def abort_request(self, ids) -> None:
+        raise RuntimeError("abort broke too")
+
+
+def test_failed_cleanup_after_step_failure_kills_the_engine() -> None:
+    client = EngineClient(lambda: _AbortFails(fail_on_step=2))
     client.start()
 
     async def main():
         stream = await client.add_request("r", "p", 100)
-        with pytest.raises(EngineDeadError, match="boom"):
+        with pytest.raises(EngineStepError, match="boom"):
             async for _ in stream:
                 pass
 
     _run(main())
-    assert not client.is_healthy
+    for _ in range(200):  # the loop dies right after delivering the error
+        if not client.is_healthy:
+            break
+        threading.Event().wait(0.01)
+    assert not client.is_healthy and "abort broke too" in repr(client.dead_reason)
     with pytest.raises(EngineDeadError):
         client.call_sync(lambda e: None)
     client.shutdown()
