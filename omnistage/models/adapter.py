@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from omnistage.models.fast_forward import LeanDecoder, lean_decoder_or_none
 from omnistage.worker.attention import ATTN_IMPL, AttentionMetadata, attention_context
+from omnistage.worker.sampler import first_argmax
 
 LEAN_ENV = "OMNISTAGE_LEAN_FORWARD"
 
@@ -137,6 +138,18 @@ class CausalLM:
         if self.use_lean and self._lean is not None and hidden_states.dim() == 2:
             return self._lean.lm_head(hidden_states).float()
         return self._lm_head(hidden_states).float()
+
+    @torch.inference_mode()
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N]`` argmax tokens, the same as ``compute_logits(h).argmax(-1)``.
+
+        The argmax is taken on the logits in the model's dtype: widening to
+        fp32 is exact and order-preserving, so it cannot change the result,
+        and skipping it saves a ``[N, vocab]`` copy per step in bf16.
+        """
+        if self.use_lean and self._lean is not None and hidden_states.dim() == 2:
+            return first_argmax(self._lean.lm_head(hidden_states))
+        return first_argmax(self._lm_head(hidden_states))
 
     @torch.inference_mode()
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

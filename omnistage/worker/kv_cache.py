@@ -194,6 +194,8 @@ def build_dense_view(
             view.valid = False
             return None
         # Ordinary tensors even under inference_mode, so any later mode may append to them.
+        # Zeroed, not empty: a short row's columns up to kv_len are read and masked, and
+        # garbage there could be NaN, which a mask does not cancel (NaN - inf, 0 * NaN).
         with torch.inference_mode(False):
             view.keys = torch.zeros((heads, rows, capacity, dim), dtype=keys.dtype, device=keys.device)
             view.values = torch.zeros_like(view.keys)

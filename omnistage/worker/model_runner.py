@@ -215,12 +215,17 @@ class ModelRunner:
         if not step.sampling_req_ids:
             return ModelRunnerOutput()
         batch = self.input_batch
-        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
         rows = step.rows[step.seq_lens == batch.num_tokens[step.rows]]  # rows of sampling_req_ids
         md = self.sampling_state.metadata(
             rows, step.sampling_req_ids, batch.num_tokens[rows] - batch.num_prompt_tokens[rows], batch.generators
         )
-        sampled = self.sampler(logits, md, self.generator)
+        sample_rows = hidden.index_select(0, step.logits_indices)
+        greedy_tokens = getattr(self.model, "greedy_token_ids", None)
+        if md.plain_greedy and greedy_tokens is not None:
+            # Only argmax tokens are needed: the model may get them without full fp32 logits.
+            sampled = SamplerOutput(sampled_token_ids=greedy_tokens(sample_rows))
+        else:
+            sampled = self.sampler(self.model.compute_logits(sample_rows), md, self.generator)
         token_ids = sampled.sampled_token_ids.tolist()
         for req_id, token in zip(step.sampling_req_ids, token_ids):
             batch.append_token(req_id, token)

@@ -65,6 +65,22 @@ def test_lean_equals_hf_path(tiny):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_lean_bf16_matches_hf_path_and_greedy_tokens_match_logits(tiny):
+    """bf16 runs on oneDNN-prepacked weights in every matmul; it must agree with
+    HF's modules in bf16 (to bf16 rounding), and greedy_token_ids with the logits' argmax."""
+    _, path = tiny
+    lm = load_model(str(path), dtype="bfloat16").model
+    assert lm.lean is not None and lm.lean.layers[0].qkv.weight.is_contiguous()  # not transposed in bf16
+    lean = run_steps(lm, SEQS, SCHEDULE)
+    lm.use_lean = False
+    hf = run_steps(lm, SEQS, SCHEDULE)
+    for a, b in zip(lean, hf):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    lm.use_lean = True
+    hidden = torch.randn(5, lm.hidden_size, dtype=torch.bfloat16)
+    assert torch.equal(lm.greedy_token_ids(hidden), lm.compute_logits(hidden).argmax(-1))
+
+
 def test_lean_equals_hf_reference_logits(tiny):
     _, path = tiny
     lm = load_model(str(path)).model
@@ -130,3 +146,33 @@ def test_other_architectures_keep_the_hf_path(tiny):
     hf2 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf2.__class__ = Custom  # a subclass may change the forward: not ours to replicate
     assert ff.lean_decoder_or_none(hf2) is None
+
+
+@pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="needs oneDNN with bf16",
+)
+@pytest.mark.parametrize("rows", [1, 32, 600])
+def test_packed_linear_bf16_uses_onednn_at_every_size(rows):
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 48).bfloat16(), torch.randn(96).bfloat16()
+    lin = ff.PackedLinear(w, b, prepack=True)
+    x = torch.randn(rows, 48).bfloat16()
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(lin(x).float(), want, atol=0.1, rtol=0.02)  # bf16 output rounding
+    assert lin.min_rows <= rows <= lin.max_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (32, 896), (300, 2048), (5, 12, 64)])
+def test_rms_norm_is_bit_identical_to_hf(dtype, shape):
+    """The lean norm must equal HF's op-by-op RMSNorm exactly, or greedy paths could part."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * torch.rand(shape[0], *([1] * (len(shape) - 1))) * 10).to(dtype)
+    norm = LlamaRMSNorm(shape[-1], eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+        want = norm(x)
+    assert torch.equal(ff._rms_norm(x, norm.weight.detach(), 1e-5), want)

@@ -151,3 +151,15 @@ def test_half_precision_logits(temperature):
     out = Sampler()(logits, md, torch.Generator().manual_seed(0))
     assert out.sampled_token_ids.dtype == torch.int64
     assert out.sampled_logprobs.dtype == torch.float32 and out.topk_token_ids is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_equals_argmax_with_ties_and_nan(dtype):
+    from omnistage.worker.sampler import first_argmax
+
+    torch.manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 1000)).to(dtype)  # many tied maxima per row
+    logits[5, 17] = float("nan")
+    logits[9, :] = float("-inf")
+    logits[11, 999] = float("inf")
+    assert torch.equal(first_argmax(logits), logits.argmax(-1))
