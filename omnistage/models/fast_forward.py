@@ -223,7 +223,7 @@ class LeanDecoder:
         small = self.prepack and not transpose
         self.lm_head = PackedLinear(lm_w, lm_b, self.prepack)
         for layer, ((w_qkv, b_qkv), (w_gu, _), (w_o, b_o), (w_down, b_down)) in zip(base.layers, fused):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             self.head_dim = int(attn.head_dim)
             qk_norm, qk_eps = None, 0.0
             if hasattr(attn, "q_norm"):

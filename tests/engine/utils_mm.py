@@ -10,7 +10,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
+from omnistage.models.tiny_mm_checkpoints import (
+    hf_reference_inputs,
+    write_tiny_qwen2_5_omni_thinker,
+    write_tiny_qwen2_5_vl,
+)
 from omnistage.multimodal.processing import MultiModalProcessor, ProcessedPrompt
 
 
@@ -58,39 +62,10 @@ def chat_prompt(proc: MultiModalProcessor, parts: list[str], data: dict, text: s
     return {"prompt": proc.apply_chat_template([{"role": "user", "content": content}]), "multi_modal_data": data}
 
 
-def _cat(out: ProcessedPrompt, modality: str, key: str) -> torch.Tensor | None:
-    values = [f.data[key] for f in out.mm_features if f.modality == modality]
-    return torch.cat(values) if values else None
-
-
 def hf_greedy_mm(model: Any, out: ProcessedPrompt, max_new_tokens: int) -> list[int]:
     """transformers' own ``generate`` (greedy, no EOS stop) on a processed prompt."""
     ids = torch.tensor([out.prompt_token_ids])
-    kwargs: dict[str, Any] = dict(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        pixel_values=_cat(out, "image", "pixel_values"),
-        image_grid_thw=_cat(out, "image", "image_grid_thw"),
-        pixel_values_videos=_cat(out, "video", "pixel_values_videos"),
-        video_grid_thw=_cat(out, "video", "video_grid_thw"),
-    )
-    if model.config.model_type == "qwen2_5_vl":
-        token_type = torch.zeros_like(ids)
-        token_type[ids == model.config.image_token_id] = 1
-        token_type[ids == model.config.video_token_id] = 2
-        kwargs.update(mm_token_type_ids=token_type, second_per_grid_ts=_cat(out, "video", "second_per_grid_ts"))
-    else:
-        audio = [f.data["input_features"] for f in out.mm_features if f.modality == "audio"]
-        if audio:
-            n = max(a.shape[1] for a in audio)
-            feats = torch.zeros(len(audio), audio[0].shape[0], n)
-            mask = torch.zeros(len(audio), n, dtype=torch.long)
-            for k, a in enumerate(audio):
-                feats[k, :, : a.shape[1]] = a
-                mask[k, : a.shape[1]] = 1
-            kwargs.update(input_features=feats, feature_attention_mask=mask)
-        kwargs.update(video_second_per_grid=_cat(out, "video", "second_per_grid_ts"))
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs = hf_reference_inputs(model, out, ids)
     with torch.no_grad():
         seq = model.generate(
             **kwargs,

@@ -13,7 +13,11 @@ from PIL import Image
 from omnistage.models.mm_adapter import MRopePositions
 from omnistage.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerAdapter
 from omnistage.models.qwen2_5_vl import Qwen2_5_VLAdapter
-from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
+from omnistage.models.tiny_mm_checkpoints import (
+    hf_reference_inputs,
+    write_tiny_qwen2_5_omni_thinker,
+    write_tiny_qwen2_5_vl,
+)
 from omnistage.multimodal.processing import MultiModalProcessor
 
 
@@ -53,39 +57,9 @@ def process(proc: MultiModalProcessor, parts: list[str], data: dict):
     return proc.process({"prompt": prompt, "multi_modal_data": data})
 
 
-def _cat(out, modality: str, key: str):
-    values = [f.data[key] for f in out.mm_features if f.modality == modality]
-    return torch.cat(values) if values else None
-
-
 def hf_logits(model, out, extra_ids: list[int] = ()) -> torch.Tensor:
     """transformers' own forward on the processed prompt (+ extra tokens)."""
-    ids = torch.tensor([out.prompt_token_ids + list(extra_ids)])
-    kwargs = dict(
-        input_ids=ids,
-        pixel_values=_cat(out, "image", "pixel_values"),
-        image_grid_thw=_cat(out, "image", "image_grid_thw"),
-        pixel_values_videos=_cat(out, "video", "pixel_values_videos"),
-        video_grid_thw=_cat(out, "video", "video_grid_thw"),
-    )
-    if model.config.model_type == "qwen2_5_vl":
-        token_type = torch.zeros_like(ids)
-        token_type[ids == model.config.image_token_id] = 1
-        token_type[ids == model.config.video_token_id] = 2
-        kwargs.update(mm_token_type_ids=token_type, second_per_grid_ts=_cat(out, "video", "second_per_grid_ts"))
-    else:
-        audio = [f.data["input_features"] for f in out.mm_features if f.modality == "audio"]
-        if audio:
-            n = max(a.shape[1] for a in audio)
-            feats = torch.zeros(len(audio), audio[0].shape[0], n)
-            mask = torch.zeros(len(audio), n, dtype=torch.long)
-            for k, a in enumerate(audio):
-                feats[k, :, : a.shape[1]] = a
-                mask[k, : a.shape[1]] = 1
-            kwargs.update(input_features=feats, feature_attention_mask=mask)
-        kwargs.update(
-            attention_mask=torch.ones_like(ids), video_second_per_grid=_cat(out, "video", "second_per_grid_ts")
-        )
+    kwargs = hf_reference_inputs(model, out, torch.tensor([out.prompt_token_ids + list(extra_ids)]))
     with torch.no_grad():
         return model(**kwargs).logits[0]
 
