@@ -48,8 +48,8 @@ __all__ = ["LEAN_MODEL_CLASSES", "LeanDecoder", "PackedLinear", "lean_decoder_or
 
 PREPACK_ENV = "OMNISTAGE_PREPACK"  # "0" turns oneDNN weight prepacking off
 PREPACK_MAX_BYTES_ENV = "OMNISTAGE_PREPACK_MAX_BYTES"
-# Prepacking keeps a second copy of the gate/up and LM-head weights; above this many bytes
-# of copies the memory is not worth it.
+# Prepacking keeps a second copy of the weights it packs; above this many bytes of copies the
+# memory is not worth it.
 PREPACK_MAX_BYTES = 2 << 30
 # Rows for which the prepacked matmul wins in fp32: below the minimum (batch-1 decode) MKL's gemv
 # on the plain weight is faster, above the maximum (long prefill chunks) MKL's own packing pays off.
@@ -66,14 +66,15 @@ LEAN_MODEL_CLASSES = {
 
 
 class PackedLinear:
-    """``F.linear`` with an optional oneDNN-prepacked copy of the weight for multi-row inputs.
+    """``F.linear`` with an optional oneDNN-prepacked copy of the weight.
 
-    MKL's sgemm re-packs the weight on every call; for the 8-64 row matmuls
-    of batched decode that packing is a large part of the cost, and a weight
-    reordered once into oneDNN's blocked layout was measured 1.2-1.5x faster
-    there on the big gate/up and LM-head shapes (not on the small q/k/v, o
-    and down ones). Single rows keep MKL's gemv on the plain weight, and so
-    do long prefill chunks, where MKL was as fast or faster.
+    fp32: MKL's sgemm re-packs the weight on every call; for the 8-64 row
+    matmuls of batched decode that packing is a large part of the cost, and
+    a weight reordered once into oneDNN's blocked layout was measured
+    1.2-1.5x faster there on the big gate/up and LM-head shapes (not on the
+    small q/k/v, o and down ones). Single rows keep MKL's gemv on the plain
+    weight, and so do long prefill chunks, where MKL was as fast or faster.
+    bf16: the packed weight serves every input size.
     """
 
     __slots__ = ("weight", "bias", "packed", "min_rows", "max_rows")
@@ -217,10 +218,11 @@ class LeanDecoder:
         # A tied LM head is the embedding itself: transposing it slows only the embedding
         # lookup (a strided row gather, ~30 ms for a 2,048-token step of SmolLM2).
         lm_w, lm_b = _fuse([lm_head], transpose)
-        # fp32 prepacks only the shapes where oneDNN beats MKL; reduced precision prepacks all.
-        everything = [w for ws in fused for w, _ in ws] + [lm_w]
-        self.prepack = prepack_enabled(everything if not transpose else [gu[0] for _, gu, _, _ in fused] + [lm_w])
-        small = self.prepack and not transpose
+        # fp32 prepacks the gate/up and LM-head weights, where oneDNN beats MKL; bf16 prepacks all.
+        prepack_all = not transpose
+        packed = [w for ws in fused for w, _ in ws] if prepack_all else [gate_up for _, (gate_up, _), _, _ in fused]
+        self.prepack = prepack_enabled(packed + [lm_w])
+        pack_rest = self.prepack and prepack_all  # q/k/v, o and down
         self.lm_head = PackedLinear(lm_w, lm_b, self.prepack)
         for layer, ((w_qkv, b_qkv), (w_gu, _), (w_o, b_o), (w_down, b_down)) in zip(base.layers, fused):
             attn = layer.self_attn
@@ -240,14 +242,14 @@ class LeanDecoder:
                 _Layer(
                     in_norm=layer.input_layernorm.weight.detach(),
                     in_eps=float(layer.input_layernorm.variance_epsilon),
-                    qkv=PackedLinear(w_qkv, b_qkv, small),
+                    qkv=PackedLinear(w_qkv, b_qkv, pack_rest),
                     qk_norm=qk_norm,
                     qk_eps=qk_eps,
-                    o=PackedLinear(w_o, b_o, small),
+                    o=PackedLinear(w_o, b_o, pack_rest),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
                     post_eps=float(layer.post_attention_layernorm.variance_epsilon),
                     gate_up=PackedLinear(w_gu, None, self.prepack),
-                    down=PackedLinear(w_down, b_down, small),
+                    down=PackedLinear(w_down, b_down, pack_rest),
                     scaling=float(attn.scaling),
                 )
             )
