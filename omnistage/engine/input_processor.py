@@ -9,10 +9,11 @@ before any engine state changes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omnistage.multimodal.chat import split_chat_media
+from omnistage.multimodal.hashing import salt_identifier
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 
 PromptType = str | list[int] | dict[str, Any]
@@ -58,6 +59,8 @@ class InputProcessor:
             if unknown:
                 raise ValueError(f"{where}: unsupported prompt keys {sorted(unknown)}")
             cache_salt = prompt.get("cache_salt")
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+                raise ValueError(f"{where}: cache_salt must be a non-empty string, got {cache_salt!r}")
             mm_data, mm_kwargs = prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs")
             if "prompt_token_ids" in prompt:
                 text, token_ids = prompt.get("prompt"), self._check_ids(where, prompt["prompt_token_ids"])
@@ -87,6 +90,8 @@ class InputProcessor:
                 token_ids = self.tokenizer.encode(text)
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")
+        if cache_salt is not None:
+            features = [replace(f, identifier=salt_identifier(f.identifier, cache_salt)) for f in features]
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"{where}: the prompt has {len(token_ids)} tokens; the context holds "

@@ -15,6 +15,11 @@ placeholder layout would be equal. It is a SHA-256 over:
 
 Every field is written with a tag and a length prefix, so no two different
 field sequences produce the same byte stream.
+
+A request with a ``cache_salt`` gets its items' identifiers salted
+(:func:`salt_identifier`): tenants with different salts then share neither KV
+blocks nor encoder outputs, so a cache hit's speed cannot reveal to one
+tenant what media another sent.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["MultiModalHasher", "hash_audio", "hash_image", "hash_item", "hash_video"]
+__all__ = ["MultiModalHasher", "hash_audio", "hash_image", "hash_item", "hash_video", "salt_identifier"]
 
 
 class MultiModalHasher:
@@ -142,4 +147,12 @@ def hash_item(modality: str, content: Any, options: Mapping[str, Any] | None = N
     hasher = MultiModalHasher(modality)
     hasher.add_array("data", content)
     hasher.add_options(options)
+    return hasher.hexdigest()
+
+
+def salt_identifier(identifier: str, cache_salt: str) -> str:
+    """The identifier of an item in a request salted with ``cache_salt``."""
+    hasher = MultiModalHasher("salted")
+    hasher.add_bytes("salt", cache_salt.encode())
+    hasher.add_bytes("identifier", identifier.encode())
     return hasher.hexdigest()

@@ -205,6 +205,30 @@ def test_second_request_reuses_the_encoder_output(models, monkeypatch):
     assert_encoder_clean(engine)
 
 
+def test_cache_salt_keeps_tenants_apart_in_the_encoder_cache(models, monkeypatch):
+    """Equal images in requests with different salts are encoded once per salt,
+    so one tenant's cache hit cannot reveal another tenant's media; same salt shares."""
+    m = models["vl"]
+    calls: list[int] = []
+    adapter = m.loaded.mm_adapter
+    original = adapter.embed_multimodal
+
+    def counting(modality, items):
+        calls.append(len(items))
+        return original(modality, items)
+
+    monkeypatch.setattr(adapter, "embed_multimodal", counting)
+    base = chat_prompt(m.proc, ["text", "image"], {"image": image(31)}, text="salted")
+    engine = make_engine(m.loaded, block_size=4)
+    for i, salt in enumerate(["tenant-a", "tenant-b", "tenant-a"]):
+        (out,) = run_all(engine, [{**base, "cache_salt": salt}], GREEDY, prefix=f"s{i}-")
+        assert out.outputs[0].token_ids == m.ref("salted", base)  # the salt never changes the answer
+    assert calls == [1, 1]  # tenant-b encoded again; tenant-a's second request hit its own entry
+    with pytest.raises(ValueError, match=r"request 'bad'.*cache_salt must be a non-empty string"):
+        engine.add_request("bad", {**base, "cache_salt": 7}, GREEDY)
+    assert_encoder_clean(engine)
+
+
 def test_different_images_behind_identical_text_never_share(models):
     m = models["vl"]
     a = chat_prompt(m.proc, ["text", "image", "text"], {"image": image(21)}, text="same words " * 3)

@@ -80,6 +80,9 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Tenant isolation (vLLM extension): requests share KV blocks and encoder outputs only
+    # with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -93,6 +93,8 @@ class ChatServing:
         if "audio" in (req.modalities or ()):
             params = OmniRequestParams(params, return_audio=True, voice=req.audio.voice if req.audio else None)
         prompt = await self._render(messages, req)
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
         request_id = new_id("chatcmpl")
         stream = await add_to_engine(ctx, request_id, prompt, params, "messages")
         if req.stream:

@@ -48,6 +48,14 @@ ENDPOINT = "completions"
 MAX_PROMPTS = 256
 
 
+def salt_prompt(prompt: str | list[int], cache_salt: str | None) -> Any:
+    """One prompt as the engine takes it, with the request's ``cache_salt`` when it has one."""
+    if cache_salt is None:
+        return prompt
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": cache_salt}
+
+
 def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     """The four OpenAI prompt shapes as a list of single prompts."""
     if isinstance(prompt, str):
@@ -86,6 +94,7 @@ class CompletionServing:
         if req.echo and req.logprobs is not None:
             raise unsupported("echo", "echo with logprobs needs prompt logprobs, which the engine does not compute")
         prompts = normalize_prompts(req.prompt)
+        salted = [salt_prompt(p, req.cache_salt) for p in prompts]
         params = build_sampling_params(req, req.max_tokens, req.logprobs)
         base_id = new_id("cmpl")
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
@@ -93,7 +102,7 @@ class CompletionServing:
         # Submit every prompt at once (the engine thread takes them in one turn),
         # then, if any was refused, abort the ones that got in.
         results = await asyncio.gather(
-            *(add_to_engine(ctx, rid, p, params, param) for rid, p, param in zip(ids, prompts, params_of)),
+            *(add_to_engine(ctx, rid, p, params, param) for rid, p, param in zip(ids, salted, params_of)),
             return_exceptions=True,
         )
         failures = [r for r in results if isinstance(r, BaseException)]

@@ -111,6 +111,30 @@ def test_prefix_cache_reported_in_usage(server: Server, client: openai.OpenAI) -
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
+def test_cache_salt_separates_prefix_cache_tenants(server: Server, client: openai.OpenAI) -> None:
+    long_text = "a salted tenant asks about the quick brown fox and the lazy dog. " * 5
+    msgs = [{"role": "user", "content": long_text}]
+
+    def cached(salt: str, endpoint: str = "chat") -> tuple[int, str]:
+        extra = {"cache_salt": salt}
+        if endpoint == "chat":
+            r = client.chat.completions.create(
+                model=server.model, messages=msgs, max_tokens=3, temperature=0.0, extra_body=extra
+            )
+            return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content
+        r = client.completions.create(model=server.model, prompt=long_text, max_tokens=3, temperature=0.0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text
+
+    first, text = cached("tenant-x")
+    assert first == 0
+    other, other_text = cached("tenant-y")
+    assert other == 0 and other_text == text  # no hit across salts, same answer
+    again, again_text = cached("tenant-x")
+    assert again >= 16 and again_text == text  # the same tenant hits its own blocks
+    assert cached("tenant-z", "completions")[0] == 0
+    assert cached("tenant-z", "completions")[0] >= 16
+
+
 def test_async_client_concurrent_streams(server: Server) -> None:
     async def main() -> list[str]:
         aclient = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
