@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import time
 import wave
 from collections.abc import Iterator
@@ -141,6 +142,53 @@ def test_streamed_audio_follows_the_text(
     assert audio[0][1].transcript == reference.outputs[0].text and len({a.id for _, a in audio}) == 1
     _assert_same_audio(b"".join(base64.b64decode(a.data) for _, a in audio), reference)
     assert choices[-1].finish_reason == reference.outputs[0].finish_reason
+
+
+def test_disconnect_while_speaking_frees_every_stage(
+    client: openai.OpenAI, reference: RequestOutput, omni_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that leaves once the text is complete (its request now in the talker
+    or token2wav) aborts it there: the client fixture then finds every stage empty."""
+    thread, app = omni_server
+    pipeline = app.state.engine_client.engine.pipeline
+    talker, token2wav = pipeline.talker, pipeline.token2wav
+    entered: list[str] = []
+    vocoded: list[str] = []
+    real_add, real_step, real_vocode = talker.add_request, talker.step, token2wav.add_request
+
+    def add_request(request: Any, params: Any) -> None:
+        entered.append(request.request_id)
+        real_add(request, params)
+
+    def slow_step() -> Any:
+        time.sleep(0.05)  # a talker slow enough that the disconnect lands while it speaks
+        return real_step()
+
+    def vocode(request: Any) -> None:
+        vocoded.append(request.request_id)
+        real_vocode(request)
+
+    # All called on the engine thread only.
+    monkeypatch.setattr(talker, "add_request", add_request)
+    monkeypatch.setattr(talker, "step", slow_step)
+    monkeypatch.setattr(token2wav, "add_request", vocode)
+    text = ""
+    with httpx.Client(base_url=thread.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json={**_request(**SPEAK), "stream": True}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        text += choice["delta"].get("content") or ""
+                if text == reference.outputs[0].text:
+                    break  # leave before the audio arrives
+    assert text == reference.outputs[0].text
+    deadline = time.monotonic() + 15
+    while not entered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(entered) == 1  # it did reach the talker ...
+    _assert_pipeline_empty(app)
+    assert vocoded == []  # ... and was aborted there, never reaching token2wav
 
 
 def test_text_only_request_skips_the_talker(
