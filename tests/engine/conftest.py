@@ -15,14 +15,8 @@ from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy shared
-    machine the thread barriers cost more than the math. Module scope: the
-    setting is restored before other directories' tests run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Every engine test module runs with one intra-op thread (see tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import wave
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from omnistage.entrypoints.llm import LLM
@@ -19,12 +18,7 @@ from omnistage.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ The talker gets the hand-off computed from the thinker result of the very same
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,13 +25,7 @@ from omnistage.models.tiny_omni_checkpoint import (
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The DiT + vocoder are ~50x slower with 2 threads on a busy 2-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")
