@@ -132,12 +132,16 @@ class CausalLM:
 
     __call__ = forward
 
+    def _head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype, through the lean forward's head when it runs."""
+        if self.use_lean and self._lean is not None and hidden_states.dim() == 2:
+            return self._lean.lm_head(hidden_states)
+        return self._lm_head(hidden_states)
+
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` fp32 logits for the ``N`` rows that sample."""
-        if self.use_lean and self._lean is not None and hidden_states.dim() == 2:
-            return self._lean.lm_head(hidden_states).float()
-        return self._lm_head(hidden_states).float()
+        return self._head(hidden_states).float()
 
     @torch.inference_mode()
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -147,9 +151,7 @@ class CausalLM:
         fp32 is exact and order-preserving, so it cannot change the result,
         and skipping it saves a ``[N, vocab]`` copy per step in bf16.
         """
-        if self.use_lean and self._lean is not None and hidden_states.dim() == 2:
-            return first_argmax(self._lean.lm_head(hidden_states))
-        return first_argmax(self._lm_head(hidden_states))
+        return first_argmax(self._head(hidden_states))
 
     @torch.inference_mode()
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -175,10 +175,9 @@ def test_long_video_with_a_tiny_token_budget(models):
 # ---------------------------------------------------------------- sharing
 
 
-def test_second_request_reuses_the_encoder_output(models, monkeypatch):
-    m = models["vl"]
+def count_encoder_calls(adapter, monkeypatch) -> list[int]:
+    """Items per call of ``adapter.embed_multimodal`` from now on (the list fills as it runs)."""
     calls: list[int] = []
-    adapter = m.loaded.mm_adapter
     original = adapter.embed_multimodal
 
     def counting(modality, items):
@@ -186,6 +185,12 @@ def test_second_request_reuses_the_encoder_output(models, monkeypatch):
         return original(modality, items)
 
     monkeypatch.setattr(adapter, "embed_multimodal", counting)
+    return calls
+
+
+def test_second_request_reuses_the_encoder_output(models, monkeypatch):
+    m = models["vl"]
+    calls = count_encoder_calls(m.loaded.mm_adapter, monkeypatch)
     first = chat_prompt(m.proc, ["image", "text"], {"image": image(11)}, text="describe it")
     # other text before the image: no KV prefix in common, the encoder cache alone must serve it
     second = chat_prompt(m.proc, ["text", "image"], {"image": image(11)}, text="and now?")
@@ -209,15 +214,7 @@ def test_cache_salt_keeps_tenants_apart_in_the_encoder_cache(models, monkeypatch
     """Equal images in requests with different salts are encoded once per salt,
     so one tenant's cache hit cannot reveal another tenant's media; same salt shares."""
     m = models["vl"]
-    calls: list[int] = []
-    adapter = m.loaded.mm_adapter
-    original = adapter.embed_multimodal
-
-    def counting(modality, items):
-        calls.append(len(items))
-        return original(modality, items)
-
-    monkeypatch.setattr(adapter, "embed_multimodal", counting)
+    calls = count_encoder_calls(m.loaded.mm_adapter, monkeypatch)
     base = chat_prompt(m.proc, ["text", "image"], {"image": image(31)}, text="salted")
     engine = make_engine(m.loaded, block_size=4)
     for i, salt in enumerate(["tenant-a", "tenant-b", "tenant-a"]):

@@ -87,6 +87,19 @@ def _assert_pipeline_empty(app: Any, timeout: float = 15.0) -> None:
     assert not any(held.values()), {k: v for k, v in held.items() if v}
 
 
+def _record_request_ids(stage: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Ids of the requests ``stage.add_request`` receives from now on (called on the engine thread)."""
+    ids: list[str] = []
+    real_add = stage.add_request
+
+    def add_request(request: Any, *args: Any) -> None:
+        ids.append(request.request_id)
+        real_add(request, *args)
+
+    monkeypatch.setattr(stage, "add_request", add_request)
+    return ids
+
+
 def _request(**extra: Any) -> dict[str, Any]:
     return {
         "model": NAME,
@@ -152,26 +165,15 @@ def test_disconnect_while_speaking_frees_every_stage(
     thread, app = omni_server
     pipeline = app.state.engine_client.engine.pipeline
     talker, token2wav = pipeline.talker, pipeline.token2wav
-    entered: list[str] = []
-    vocoded: list[str] = []
-    real_add, real_step, real_vocode = talker.add_request, talker.step, token2wav.add_request
-
-    def add_request(request: Any, params: Any) -> None:
-        entered.append(request.request_id)
-        real_add(request, params)
+    entered = _record_request_ids(talker, monkeypatch)
+    vocoded = _record_request_ids(token2wav, monkeypatch)
+    real_step = talker.step
 
     def slow_step() -> Any:
         time.sleep(0.05)  # a talker slow enough that the disconnect lands while it speaks
         return real_step()
 
-    def vocode(request: Any) -> None:
-        vocoded.append(request.request_id)
-        real_vocode(request)
-
-    # All called on the engine thread only.
-    monkeypatch.setattr(talker, "add_request", add_request)
-    monkeypatch.setattr(talker, "step", slow_step)
-    monkeypatch.setattr(token2wav, "add_request", vocode)
+    monkeypatch.setattr(talker, "step", slow_step)  # called on the engine thread only
     text = ""
     with httpx.Client(base_url=thread.base_url, timeout=30) as http:
         with http.stream("POST", "/v1/chat/completions", json={**_request(**SPEAK), "stream": True}) as resp:
@@ -195,14 +197,7 @@ def test_text_only_request_skips_the_talker(
     client: openai.OpenAI, reference: RequestOutput, omni_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     talker = omni_server[1].state.engine_client.engine.pipeline.talker
-    spoken: list[str] = []
-    real_add = talker.add_request
-
-    def add_request(request: Any, params: Any) -> None:
-        spoken.append(request.request_id)
-        real_add(request, params)
-
-    monkeypatch.setattr(talker, "add_request", add_request)  # called on the engine thread only
+    spoken = _record_request_ids(talker, monkeypatch)
     completion = client.chat.completions.create(**_request())
     message = completion.choices[0].message
     assert message.content == reference.outputs[0].text and message.audio is None
