@@ -18,7 +18,8 @@ The table shows each side's best run and the median of the per-pair
 ratios; a target counts as met on that median. Rows 1-2 also check that
 omnistage's greedy tokens equal ``generate``'s.
 
-Run: ``python benchmarks/bench_engine.py`` (``--quick`` for a smaller run).
+Run: ``python benchmarks/bench_engine.py`` (``--quick`` for a smaller run;
+``OMNISTAGE_NATIVE=0`` to measure without the native CPU kernels).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.llm_engine import LLMEngine
+from omnistage.kernels.native import native_kernels
 from omnistage.models.loader import load_model
 from omnistage.sampling_params import SamplingParams
 
@@ -91,7 +93,7 @@ def long_document(tokenizer, num_tokens: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, a 500-token prefix")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best one counts")
+    ap.add_argument("--repeat", type=int, default=5, help="interleaved pairs per measurement (median ratio counts)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' weights")
     ap.add_argument(
@@ -197,6 +199,8 @@ def main() -> None:
         ),
     ]
     forward = "lean forward" if loaded.model.use_lean else "HF modules"
+    if native_kernels() is not None:
+        forward += " + native kernels"
     print(
         f"\nomnistage ({forward}) vs transformers {torch.__version__}, {loaded.name}, "
         f"{args.dtype}, {torch.get_num_threads()} threads"

@@ -30,14 +30,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from omnistage.cache_dir import cache_root
+
 CONVERSION_VERSION = 1
 MARKER = "omnistage_conversion.json"  # written last inside the folder; its presence means complete
-
-
-def cache_root() -> Path:
-    """``$OMNISTAGE_CACHE_DIR`` or ``~/.cache/omnistage``."""
-    env = os.environ.get("OMNISTAGE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "omnistage"
 
 
 def converted_folder_for(gguf_path: Path) -> Path:

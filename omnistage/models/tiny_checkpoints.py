@@ -118,11 +118,34 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(_WEIGHT_STD * noise)
 
 
-def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0) -> Path:
+def _gguf_round_trip(model: torch.nn.Module) -> None:
+    """Make every weight matrix what loading a GGUF file gives: ``Q4_1`` blocks, ``Q8_0`` for embeddings.
+
+    Uses the ``gguf`` package's own quantizer and dequantizer (the code
+    ``transformers`` loads GGUF files with), so the fp32 weights are exactly
+    the values a GGUF-converted checkpoint holds.
+    """
+    import gguf  # noqa: PLC0415  (only this option needs it)
+
+    kinds = gguf.GGMLQuantizationType
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+                continue
+            kind = kinds.Q8_0 if isinstance(module, torch.nn.Embedding) else kinds.Q4_1
+            blocks = gguf.quants.quantize(weight.detach().numpy(), kind)
+            weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind).reshape(weight.shape)))
+
+
+def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, gguf_weights: bool = False) -> Path:
     """Write a tiny ``arch`` checkpoint folder at ``path`` and return it.
 
     ``arch`` is one of ``"llama"``, ``"qwen2"``, ``"qwen3"``. The same
-    ``(arch, seed)`` always gives the same weights and tokenizer.
+    ``(arch, seed, gguf_weights)`` always gives the same weights and
+    tokenizer. ``gguf_weights`` rounds the weight matrices through GGUF
+    quantization (see :func:`_gguf_round_trip`), as a model converted from a
+    ``Q4_1`` GGUF file would have them.
     """
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {TINY_ARCHS}")
@@ -134,6 +157,8 @@ def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0) -> Path:
     config = tiny_config(arch, len(tokenizer), bos_id, eos_id, tokenizer.pad_token_id)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
+    if gguf_weights:
+        _gguf_round_trip(model)
     model.generation_config = GenerationConfig(
         bos_token_id=bos_id, eos_token_id=[eos_id, bos_id], pad_token_id=tokenizer.pad_token_id
     )

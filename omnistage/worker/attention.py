@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from omnistage.kernels.attention import native_decode_attention
 from omnistage.worker.input_batch import BatchStep
 from omnistage.worker.kv_cache import (
     allocate_kv_caches,
@@ -397,17 +398,23 @@ def _attend_cache(
     num_kv_heads = cache.shape[1]
     group = num_heads // num_kv_heads
     r, lq = md.num_reqs, md.max_query_len
-    q = query.view(num_kv_heads, group, num_tokens, head_dim)  # [Hkv, G, T, D]
-    if md.query_index is not None:
-        q = q.index_select(2, md.query_index)
-    # [Hkv, G, R, Lq, D] -> [Hkv, R, G * Lq, D]; for decode (Lq == 1) this is a small copy of q only.
-    q = q.reshape(num_kv_heads, group, r, lq, head_dim).transpose(1, 2).reshape(num_kv_heads, r, group * lq, head_dim)
     if md.step_key is not None and key is not None:
         k, v = _decode_context(cache, key, value, md)
     else:
         k, v = gather_kv(cache, md.flat_gather_ids(num_kv_heads, cache.shape[2]), r)
         if md.single_kv_len is not None:
             k, v = k[:, :, : md.single_kv_len], v[:, :, : md.single_kv_len]
+    if md.kind == DECODE:
+        # One pass per (KV head, sequence) over its own keys, no mask (fp32 CPU, where built).
+        scale = head_dim**-0.5 if scaling is None else scaling
+        out = native_decode_attention(query, k, v, md.seq_lens, scale)
+        if out is not None:
+            return out
+    q = query.view(num_kv_heads, group, num_tokens, head_dim)  # [Hkv, G, T, D]
+    if md.query_index is not None:
+        q = q.index_select(2, md.query_index)
+    # [Hkv, G, R, Lq, D] -> [Hkv, R, G * Lq, D]; for decode (Lq == 1) this is a small copy of q only.
+    q = q.reshape(num_kv_heads, group, r, lq, head_dim).transpose(1, 2).reshape(num_kv_heads, r, group * lq, head_dim)
     if lq == 1 and q.dtype == torch.float32:
         # Decode: a handful of query rows per sequence. Two batched matmuls and a softmax
         # beat the flash kernel (built for long query blocks) by ~1.5x at these shapes.

@@ -1,0 +1,98 @@
+"""Build and load omnistage's native CPU kernels (``csrc/*.cpp``) on first use.
+
+The sources are compiled into one library, once per machine, with the
+system C++ compiler (``-O3 -march=native -fopenmp``) into
+``cache_root()/kernels``, keyed by a hash of the sources, the compiler and
+the CPU's flags, and loaded with ``ctypes``. No torch headers are
+involved, so a build takes a second or two. Where the
+kernels cannot be had (not x86-64 with AVX-512, no compiler, a failed
+build, or ``OMNISTAGE_NATIVE=0``) :func:`native_kernels` returns ``None``
+and callers keep their torch path.
+
+OpenMP: the library links ``libgomp.so.1`` by soname, which resolves to the
+copy torch has already loaded, so the kernels share torch's thread pool;
+callers pass ``torch.get_num_threads()`` on every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from omnistage.cache_dir import cache_root
+
+__all__ = ["NATIVE_ENV", "native_kernels"]
+
+NATIVE_ENV = "OMNISTAGE_NATIVE"  # "0" turns the native kernels off
+_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"}
+_logger = logging.getLogger(__name__)
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SIGNATURES = {
+    # x, M, K, q, d, m, y, N, threads
+    "group_int8_gemm": (None, [_P, _L, _L, _P, _P, _P, _P, _L, _I]),
+    # w, N, K, q, d, m, threads -> 1 when exact
+    "group_int8_encode": (_I, [_P, _L, _L, _P, _P, _P, _I]),
+    # q, q_seq_stride, q_head_stride, k, v, kv_head_stride, kv_seq_stride, seq_lens, R, H, Hkv, D, scale, out,
+    # threads -> 0 for an unsupported head size
+    "decode_attention": (_I, [_P, _L, _L, _P, _P, _L, _L, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I]),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(compiler: str, flags: set[str]) -> Path | None:
+    """The compiled library for these sources, compiler and CPU (built now if not cached)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES))
+    digest.update(version.encode() + " ".join(sorted(flags)).encode())
+    path = cache_root() / "kernels" / f"omnistage_kernels-{digest.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES), "-o", str(out)]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        if built.returncode != 0:
+            _logger.warning("omnistage: building the native kernels failed; using torch ops\n%s", built.stderr[-2000:])
+            return None
+        os.replace(out, path)  # atomic: concurrent builders each install a complete file
+    return path
+
+
+@functools.cache
+def native_kernels() -> ctypes.CDLL | None:
+    """The native kernel library, or ``None`` where it cannot be built or run here."""
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    flags = _cpu_flags()
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if platform.machine() != "x86_64" or not _REQUIRED_CPU_FLAGS <= flags or compiler is None:
+        return None
+    path = _build(compiler, flags)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

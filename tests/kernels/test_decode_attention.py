@@ -1,0 +1,73 @@
+"""The native decode-attention kernel against fp64 softmax attention, per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage.kernels.attention import native_decode_attention
+from omnistage.kernels.native import native_kernels
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need x86-64 AVX-512 and g++")
+
+
+def reference(query, keys, values, seq_lens, scale):
+    """fp64 attention of each sequence's query heads over its first ``seq_lens[r]`` keys."""
+    heads, seqs, dim = query.shape
+    group = heads // keys.shape[0]
+    out = torch.empty(seqs, heads, dim, dtype=torch.float64)
+    for r in range(seqs):
+        n = int(seq_lens[r])
+        for h in range(heads):
+            k, v = keys[h // group, r, :n].double(), values[h // group, r, :n].double()
+            out[r, h] = torch.softmax(k @ query[h, r].double() * scale, 0) @ v
+    return out
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_matches_fp64_attention_over_each_sequence_length(dim, heads, kv_heads):
+    gen = torch.Generator().manual_seed(dim + heads)
+    seqs, capacity = 5, 80
+    # q as the lean forward hands it over: a [H, R, D] view of the packed [R, H + 2 Hkv, D] projections.
+    query = torch.randn(seqs, heads + 2 * kv_heads, dim, generator=gen)[:, :heads].transpose(0, 1)
+    # keys/values as a slice of a longer dense view, with garbage past each sequence's length.
+    dense = torch.randn(2, kv_heads, seqs, capacity, dim, generator=gen) * 3
+    keys, values = dense[0, :, :, :70], dense[1, :, :, :70]
+    seq_lens = torch.tensor([1, 15, 16, 17, 70])
+    got = native_decode_attention(query, keys, values, seq_lens, dim**-0.5)
+    want = reference(query, keys, values, seq_lens, dim**-0.5)
+    assert got is not None and got.shape == (seqs, heads, dim)
+    # fp32 attention through torch's own ops, for the size of an fp32 rounding difference.
+    torch_err = max(
+        (
+            torch.softmax(keys[h * kv_heads // heads, r, :n] @ query[h, r] * dim**-0.5, 0)
+            @ values[h * kv_heads // heads, r, :n]
+            - want[r, h]
+        )
+        .abs()
+        .max()
+        for r, n in enumerate(seq_lens.tolist())
+        for h in range(heads)
+    )
+    assert (got.double() - want).abs().max() <= 4 * torch_err + 1e-6
+
+
+def test_large_scores_do_not_overflow():
+    # Scores in the thousands: exp must see them minus their maximum (softmax saturates to one key).
+    gen = torch.Generator().manual_seed(0)
+    query = torch.full((2, 1, 64), 30.0)
+    keys = torch.randn(1, 1, 40, 64, generator=gen) * 30
+    values = torch.randn(1, 1, 40, 64, generator=gen)
+    got = native_decode_attention(query, keys, values, torch.tensor([40]), 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, values[0, 0, (keys[0, 0] @ query[0, 0]).argmax()].expand(1, 2, 64))
+
+
+def test_declines_what_it_does_not_cover():
+    q, kv, lens = torch.randn(2, 3, 48), torch.randn(1, 3, 8, 48), torch.tensor([8, 8, 8])
+    assert native_decode_attention(q, kv, kv, lens, 1.0) is None  # head size 48
+    q, kv = torch.randn(2, 3, 64), torch.randn(1, 3, 8, 64)
+    assert native_decode_attention(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), lens, 1.0) is None
+    assert native_decode_attention(q, kv, kv, lens.int(), 1.0) is None
+    assert native_decode_attention(q, kv, kv.transpose(2, 3), lens, 1.0) is None  # columns, not rows

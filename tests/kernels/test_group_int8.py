@@ -1,0 +1,92 @@
+"""The group-int8 weight form and its native matmul, against GGUF's own (de)quantizer and fp64 math."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import omnistage.kernels.native as native
+from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul
+
+pytestmark = pytest.mark.skipif(native.native_kernels() is None, reason="native kernels need x86-64 AVX-512 and g++")
+
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+
+
+def gguf_weight(shape: tuple[int, int], kind: gguf.GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
+    """fp32 weights exactly as loading a GGUF file of ``kind`` gives them."""
+    w = np.random.default_rng(seed).normal(0, 0.05, size=shape).astype(np.float32)
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind).reshape(shape))
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 160), (256, 1536)])
+def test_encode_reproduces_every_weight_bit_for_bit(kind, shape):
+    w = gguf_weight(shape, kind)
+    enc = encode_group_int8(w)
+    assert enc is not None
+    assert (enc.out_features, enc.in_features) == shape
+    assert torch.equal(enc.dequantize().view(torch.int32), w.view(torch.int32))
+
+
+def test_encode_takes_transposed_views_and_mixed_layouts():
+    # Rows of both layouts in one matrix (as a fused q/k/v or gate/up weight of mixed files would be).
+    w = torch.cat([gguf_weight((64, 96), Q4_1), gguf_weight((32, 96), Q8_0, seed=1)])
+    view = w.t().contiguous().t()  # the lean forward's transposed storage
+    enc = encode_group_int8(view)
+    assert enc is not None and torch.equal(enc.dequantize(), w)
+
+
+def test_encode_refuses_weights_without_the_form():
+    assert encode_group_int8(torch.randn(64, 64)) is None
+    w = gguf_weight((64, 64), Q4_1)
+    w[37, 11] = torch.nextafter(w[37, 11], torch.tensor(1.0))  # one weight one ulp off
+    assert encode_group_int8(w) is None
+    assert encode_group_int8(gguf_weight((48, 64), Q4_1)) is None  # rows not a multiple of 32
+    assert encode_group_int8(gguf_weight((64, 64), Q4_1).double()) is None
+    assert encode_group_int8(gguf_weight((64, 64), Q4_1).to(torch.bfloat16)) is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 32, 64])
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+def test_matmul_matches_fp32_linear_on_the_same_weights(rows, kind):
+    w = gguf_weight((160, 288), kind, seed=rows)
+    x = torch.randn(rows, 288, generator=torch.Generator().manual_seed(rows))
+    enc = encode_group_int8(w)
+    got = group_int8_matmul(x, enc)
+    exact = F.linear(x.double(), w.double())
+    fp32_err = (F.linear(x, w).double() - exact).abs().max()
+    assert got.shape == (rows, 160) and got.dtype == torch.float32
+    # Only the summation order differs from an fp32 matmul: errors of the same size.
+    assert (got.double() - exact).abs().max() <= 4 * fp32_err + 1e-6
+
+
+def test_matmul_reads_non_contiguous_input_and_threads_agree():
+    w = gguf_weight((64, 96), Q4_1)
+    x = torch.randn(96, 5).t()  # a strided view
+    enc = encode_group_int8(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = group_int8_matmul(x, enc)
+        torch.set_num_threads(2)
+        two = group_int8_matmul(x, enc)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # tiles split across threads, never a row's sum
+    torch.testing.assert_close(one, F.linear(x, w), rtol=1e-5, atol=1e-6)
+
+
+def test_env_turns_native_kernels_off(monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    native.native_kernels.cache_clear()
+    try:
+        assert native.native_kernels() is None
+        assert encode_group_int8(gguf_weight((32, 32), Q4_1)) is None
+    finally:
+        monkeypatch.delenv(native.NATIVE_ENV)
+        native.native_kernels.cache_clear()
+    assert native.native_kernels() is not None
