@@ -88,6 +88,11 @@ def group_int8_matmul(x: torch.Tensor, weight: GroupInt8Weight) -> torch.Tensor:
     """``x @ w.T`` for fp32 CPU ``x`` ``[M, K]``; ``weight`` from :func:`encode_group_int8`."""
     lib = native_kernels()
     assert lib is not None, "a GroupInt8Weight exists only where the native kernels do"
+    if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(
+            f"group_int8_matmul: expected fp32 CPU input [rows, {weight.in_features}], "
+            f"got {x.dtype} {x.device.type} {tuple(x.shape)}"
+        )
     x = x.contiguous()
     out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
     lib.group_int8_gemm(

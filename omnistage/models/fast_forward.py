@@ -20,9 +20,9 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
   embedded default model): batches of up to ``INT8_MAX_ROWS`` rows (decode
   steps) multiply on the native group-int8 kernel
   (:mod:`omnistage.kernels.group_int8`), which rebuilds exactly the same
-  fp32 weights from 1.25 bytes each instead of streaming 4; decode is
-  bound by that traffic, so batched decode steps get ~1.3x faster and
-  batch-1 ones ~2x;
+  fp32 weights from 1.25 bytes each instead of streaming 4 (with native
+  decode attention, ``benchmarks/bench_engine.py`` measured batched decode
+  throughput ~1.25x and batch-1 decode ~1.5x over the fp32 kernels);
 - bf16 on CPU: weights keep their layout and every matmul, from one row
   up, uses a oneDNN-prepacked copy, which runs on the AMX / AVX512-BF16
   units (1.3-2x over ``F.linear`` on SmolLM2's shapes at 1 and 32 rows);
@@ -33,7 +33,9 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
 - paged attention called directly (:func:`omnistage.worker.attention.paged_attention`).
 
 Every elementwise op is the one HF uses, in the same order, so in fp32 the
-only differences from the HF path are the matmuls' summation orders.
+only differences from the HF path are the matmuls' summation orders (and,
+in decode steps on the native attention kernel, its softmax's summation
+order and ``exp`` rounding).
 
 Only the exact HF classes listed in :data:`LEAN_MODEL_CLASSES` qualify
 (checked per layer); anything else keeps the HF modeling path.

@@ -64,6 +64,20 @@ def test_matmul_matches_fp32_linear_on_the_same_weights(rows, kind):
     assert (got.double() - exact).abs().max() <= 4 * fp32_err + 1e-6
 
 
+def test_matmul_of_no_rows_is_empty():
+    # A step that samples nothing hands the LM head zero rows.
+    got = group_int8_matmul(torch.empty(0, 64), encode_group_int8(gguf_weight((96, 64), Q4_1)))
+    assert got.shape == (0, 96)
+
+
+def test_matmul_refuses_input_of_the_wrong_width_or_dtype():
+    enc = encode_group_int8(gguf_weight((32, 64), Q4_1))
+    with pytest.raises(ValueError, match=r"\[rows, 64\]"):
+        group_int8_matmul(torch.randn(3, 32), enc)
+    with pytest.raises(ValueError, match="fp32"):
+        group_int8_matmul(torch.randn(3, 64).double(), enc)
+
+
 def test_matmul_reads_non_contiguous_input_and_threads_agree():
     w = gguf_weight((64, 96), Q4_1)
     x = torch.randn(96, 5).t()  # a strided view

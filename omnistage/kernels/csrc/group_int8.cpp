@@ -30,47 +30,52 @@ inline void load_weights(const int8_t* q, __m512 d0, __m512 d1, __m512 m0, __m51
     *b1 = _mm512_fmadd_ps(d1, q1, m1);
 }
 
-// MR rows of x times a tile's weights already rebuilt into panel[K][32] (several row blocks reuse it).
+// MR rows' accumulators for one tile's 32 output columns.
 template <int MR>
-void rows_times_panel(const float* x, long K, const float* panel, float* y, long ldy) {
+struct RowBlock {
     __m512 acc0[MR], acc1[MR];
-    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    for (long k = 0; k < K; k++) {
-        __m512 b0 = _mm512_load_ps(panel + k * 32), b1 = _mm512_load_ps(panel + k * 32 + 16);
+
+    RowBlock() {
+        for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    }
+    // Adds x[r, k] times the tile's 32 weights at k (b0, b1) to every row r.
+    inline void add(const float* x, long ldx, long k, __m512 b0, __m512 b1) {
         for (int r = 0; r < MR; r++) {
-            __m512 a = _mm512_set1_ps(x[r * K + k]);
+            __m512 a = _mm512_set1_ps(x[r * ldx + k]);
             acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
             acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
         }
     }
-    for (int r = 0; r < MR; r++) {
-        _mm512_storeu_ps(y + r * ldy, acc0[r]);
-        _mm512_storeu_ps(y + r * ldy + 16, acc1[r]);
+    inline void store(float* y, long ldy) const {
+        for (int r = 0; r < MR; r++) {
+            _mm512_storeu_ps(y + r * ldy, acc0[r]);
+            _mm512_storeu_ps(y + r * ldy + 16, acc1[r]);
+        }
     }
+};
+
+// MR rows of x times a tile's weights already rebuilt into panel[K][32] (several row blocks reuse it).
+template <int MR>
+void rows_times_panel(const float* x, long K, const float* panel, float* y, long ldy) {
+    RowBlock<MR> rows;
+    for (long k = 0; k < K; k++) rows.add(x, K, k, _mm512_load_ps(panel + k * 32), _mm512_load_ps(panel + k * 32 + 16));
+    rows.store(y, ldy);
 }
 
 // MR (1 or 2) rows straight from the int8 weights: with so few rows, a panel would not be reused.
 template <int MR>
 void rows_times_tile(const float* x, long K, const int8_t* q, const float* d, const float* m, float* y, long ldy) {
-    __m512 acc0[MR], acc1[MR];
-    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    RowBlock<MR> rows;
     for (long g = 0; g < K / kGroup; g++) {
         __m512 d0 = _mm512_loadu_ps(d + g * 32), d1 = _mm512_loadu_ps(d + g * 32 + 16);
         __m512 m0 = _mm512_loadu_ps(m + g * 32), m1 = _mm512_loadu_ps(m + g * 32 + 16);
         for (long k = g * kGroup; k < (g + 1) * kGroup; k++) {
             __m512 b0, b1;
             load_weights(q + k * 32, d0, d1, m0, m1, &b0, &b1);
-            for (int r = 0; r < MR; r++) {
-                __m512 a = _mm512_set1_ps(x[r * K + k]);
-                acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
-                acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
-            }
+            rows.add(x, K, k, b0, b1);
         }
     }
-    for (int r = 0; r < MR; r++) {
-        _mm512_storeu_ps(y + r * ldy, acc0[r]);
-        _mm512_storeu_ps(y + r * ldy + 16, acc1[r]);
-    }
+    rows.store(y, ldy);
 }
 
 void rows_tail(long rows, const float* x, long K, const float* panel, float* y, long ldy) {
@@ -136,6 +141,7 @@ extern "C" {
 // y[M, N] = x[M, K] @ w^T for the tiled group-int8 w (N, K multiples of 32, K <= kMaxK).
 void group_int8_gemm(const float* x, long M, long K, const int8_t* q, const float* d, const float* m, float* y,
                      long N, int threads) {
+    if (M <= 0) return;
     const long tiles = N / kTile, groups = K / kGroup;
 #pragma omp parallel num_threads(threads)
     {
