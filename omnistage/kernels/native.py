@@ -1,7 +1,7 @@
 """Build and load omnistage's native CPU kernels (``csrc/*.cpp``) on first use.
 
 The sources are compiled into one library, once per machine, with the
-system C++ compiler (``-O3 -march=native -fopenmp``) into
+system C++ compiler (``-O3 -march=native -ffp-contract=off -fopenmp``) into
 ``cache_root()/kernels``, keyed by a hash of the sources, the compiler and
 the CPU's flags, and loaded with ``ctypes``. No torch headers are
 involved, so a build takes a second or two. Where the
@@ -32,7 +32,8 @@ from omnistage.cache_dir import cache_root
 __all__ = ["NATIVE_ENV", "native_kernels"]
 
 NATIVE_ENV = "OMNISTAGE_NATIVE"  # "0" turns the native kernels off
-_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"}
 _logger = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ _SIGNATURES = {
     # q, q_seq_stride, q_head_stride, k, v, kv_head_stride, kv_seq_stride, seq_lens, R, H, Hkv, D, scale, out,
     # threads -> 0 for an unsupported head size
     "decode_attention": (_I, [_P, _L, _L, _P, _P, _L, _L, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I]),
+    # x, M, K, weight, eps, out, threads
+    "rms_norm": (None, [_P, _L, _L, _P, ctypes.c_float, _P, _I]),
+    # x, T, H, D, x_stride, cos, sin, out, threads
+    "rope": (None, [_P, _L, _L, _L, _L, _P, _P, _P, _I]),
+    # gu, M, I, out, threads
+    "silu_mul": (None, [_P, _L, _L, _P, _I]),
 }
 
 
@@ -62,7 +69,7 @@ def _cpu_flags() -> set[str]:
 def _build(compiler: str, flags: set[str]) -> Path | None:
     """The compiled library for these sources, compiler and CPU (built now if not cached)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES))
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in sorted(_CSRC.glob("*.[ch]*"))))
     digest.update(version.encode() + " ".join(sorted(flags)).encode())
     path = cache_root() / "kernels" / f"omnistage_kernels-{digest.hexdigest()[:16]}.so"
     if path.exists():
@@ -70,7 +77,9 @@ def _build(compiler: str, flags: set[str]) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES), "-o", str(out)]
+        # No fp contraction: a * b + c must round twice where the torch op it replaces does.
+        options = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+        cmd = [compiler, *options, *map(str, _SOURCES), "-o", str(out)]
         built = subprocess.run(cmd, capture_output=True, text=True)
         if built.returncode != 0:
             _logger.warning("omnistage: building the native kernels failed; using torch ops\n%s", built.stderr[-2000:])

@@ -16,13 +16,13 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
   the q/k/v, gate/up and LM-head shapes of SmolLM2, batched decode
   1.1-1.5x); for 4+ rows (batched decode, prefill) the gate/up and LM-head
   matmuls use a oneDNN-prepacked copy of the weight (:class:`PackedLinear`);
-- fp32 on CPU, weights loaded from a ``Q4_1`` / ``Q8_0`` GGUF file (the
-  embedded default model): batches of up to ``INT8_MAX_ROWS`` rows (decode
-  steps) multiply on the native group-int8 kernel
-  (:mod:`omnistage.kernels.group_int8`), which rebuilds exactly the same
-  fp32 weights from 1.25 bytes each instead of streaming 4 (with native
-  decode attention, ``benchmarks/bench_engine.py`` measured batched decode
-  throughput ~1.25x and batch-1 decode ~1.5x over the fp32 kernels);
+- fp32 on CPU with the native kernels (:mod:`omnistage.kernels`):
+  weights loaded from a ``Q4_1`` / ``Q8_0`` GGUF file (the embedded
+  default model) multiply, up to ``INT8_MAX_ROWS`` rows (decode steps), on
+  the group-int8 kernel, which rebuilds exactly the same fp32 weights from
+  1.25 bytes each instead of streaming 4; RMSNorm, RoPE and SiLU-times-up
+  are one native call each instead of two to six torch ops, and decode
+  attention one pass per KV head and sequence;
 - bf16 on CPU: weights keep their layout and every matmul, from one row
   up, uses a oneDNN-prepacked copy, which runs on the AMX / AVX512-BF16
   units (1.3-2x over ``F.linear`` on SmolLM2's shapes at 1 and 32 rows);
@@ -32,10 +32,11 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
 - Qwen3's per-head q/k RMSNorm as one op over q and k together;
 - paged attention called directly (:func:`omnistage.worker.attention.paged_attention`).
 
-Every elementwise op is the one HF uses, in the same order, so in fp32 the
-only differences from the HF path are the matmuls' summation orders (and,
-in decode steps on the native attention kernel, its softmax's summation
-order and ``exp`` rounding).
+On the torch path every elementwise op is the one HF uses, in the same
+order, so in fp32 the only differences from the HF path are the matmuls'
+summation orders. The native calls add two more: the order in which
+RMSNorm and softmax sum, and the rounding of their own ``exp`` (SiLU,
+softmax); RoPE stays bit-identical.
 
 Only the exact HF classes listed in :data:`LEAN_MODEL_CLASSES` qualify
 (checked per layer); anything else keeps the HF modeling path.
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from omnistage.kernels.decode_ops import native_rms_norm, native_rope, native_silu_mul
 from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul
 from omnistage.kernels.native import native_kernels
 from omnistage.worker.attention import AttentionMetadata, paged_attention
@@ -244,8 +246,9 @@ class LeanDecoder:
         packed = [w for ws in fused for w, _ in ws] if prepack_all else [gate_up for _, (gate_up, _), _, _ in fused]
         self.prepack = prepack_enabled(packed + [lm_w])
         pack_rest = self.prepack and prepack_all  # q/k/v, o and down
-        # fp32 weights that have an exact group-int8 form decode on the native kernel.
-        int8 = transpose and native_kernels() is not None
+        # fp32 on CPU: weights with an exact group-int8 form decode on the native kernel, and the
+        # elementwise steps run as native calls.
+        int8 = self.native_ops = transpose and native_kernels() is not None
         self.lm_head = PackedLinear(lm_w, lm_b, self.prepack, int8)
         for layer, ((w_qkv, b_qkv), (w_gu, _), (w_o, b_o), (w_down, b_down)) in zip(base.layers, fused):
             attn = layer.self_attn
@@ -305,19 +308,26 @@ class LeanDecoder:
         half = d // 2
         inter = self.intermediate
         cos, sin = self.rope_tables(h, positions)
+        native = self.native_ops
+        norm = native_rms_norm if native else _rms_norm
+        native_rope_ok = native and d % 32 == 0
         for layer, cache in zip(self.layers, kv_caches):
-            x = _rms_norm(h, layer.in_norm, layer.in_eps)
+            x = norm(h, layer.in_norm, layer.in_eps)
             qkv = layer.qkv(x)
             qk = qkv[:, : nqk * d].view(t, nqk, d)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, layer.qk_eps)
-            qk = qk * cos + torch.roll(qk, half, -1) * sin
+            if native_rope_ok:
+                qk = native_rope(qk, cos, sin)
+            else:
+                qk = qk * cos + torch.roll(qk, half, -1) * sin
             v = qkv[:, nqk * d :].view(t, nkv, d)
             attn = paged_attention(
                 qk[:, :nh].transpose(0, 1), qk[:, nh:].transpose(0, 1), v.transpose(0, 1), cache, md, layer.scaling
             )
             h = h + layer.o(attn.reshape(t, nh * d))
-            x = _rms_norm(h, layer.post_norm, layer.post_eps)
+            x = norm(h, layer.post_norm, layer.post_eps)
             gu = layer.gate_up(x)
-            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
-        return _rms_norm(h, self.final_norm, self.final_eps)
+            act = native_silu_mul(gu) if native else F.silu(gu[:, :inter]) * gu[:, inter:]
+            h = h + layer.down(act)
+        return norm(h, self.final_norm, self.final_eps)

@@ -10,25 +10,9 @@
 
 #include <vector>
 
-namespace {
+#include "simd_exp.h"
 
-// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2 / 2, e^r by its
-// degree-7 Taylor polynomial (truncation below 0.1 ulp), scaled by 2^n; underflows to 0.
-inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+namespace {
 
 // One query head (NC chunks of 16 dims) over len keys/values; weights is scratch of >= len (+15).
 template <int NC>
@@ -48,7 +32,7 @@ void attend(const float* q, const float* keys, const float* values, long len, fl
     const __m512 shift = _mm512_set1_ps(top);
     for (long j = 0; j < len; j += 16) {
         __mmask16 live = len - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - j)) - 1);
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights + j), shift));
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights + j), shift));
         e = _mm512_maskz_mov_ps(live, e);
         _mm512_mask_storeu_ps(weights + j, live, e);
         total = _mm512_add_ps(total, e);

@@ -1,0 +1,78 @@
+// The lean decoder's elementwise steps, one call each instead of several torch ops.
+//
+// Each keeps the roundings of the torch expression it replaces (the build turns off
+// floating-point contraction, so a * b + c stays two roundings), except where noted:
+// rms_norm sums its squares in another order, silu_mul's exp is exp_ps.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "simd_exp.h"
+
+namespace {
+
+inline __mmask16 tail_mask(long n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+}  // namespace
+
+extern "C" {
+
+// out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for x [M, K] contiguous: HF's RMSNorm in fp32.
+void rms_norm(const float* x, long M, long K, const float* weight, float eps, float* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < M; r++) {
+        const float* row = x + r * K;
+        __m512 acc = _mm512_setzero_ps();
+        for (long i = 0; i < K; i += 16) {
+            __m512 v = _mm512_maskz_loadu_ps(tail_mask(K - i), row + i);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)K + eps);
+        const __m512 scale = _mm512_set1_ps(inv);
+        for (long i = 0; i < K; i += 16) {
+            const __mmask16 m = tail_mask(K - i);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + i), scale);
+            _mm512_mask_storeu_ps(out + r * K + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, weight + i), v));
+        }
+    }
+}
+
+// RoPE on q and k together: out[t, h, i] = x[t, h, i] * cos[t, i] + x[t, h, (i + D/2) % D] * sin[t, i],
+// sin with rotate_half's sign folded in; x [T, H, D] with row stride x_stride (heads contiguous),
+// cos/sin [T, D], out [T, H, D] contiguous. Bit-identical to x * cos + roll(x, D/2, -1) * sin.
+void rope(const float* x, long T, long H, long D, long x_stride, const float* cos, const float* sin, float* out,
+          int threads) {
+    const long half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < T; t++) {
+        for (long h = 0; h < H; h++) {
+            const float* in = x + t * x_stride + h * D;
+            float* o = out + (t * H + h) * D;
+            for (long i = 0; i < D; i += 16) {
+                const __mmask16 m = tail_mask(D - i);
+                // Lanes i..i+15 read the other half at (i + half) % D; D/2 a multiple of 16 keeps them in one run.
+                const long j = (i + half) % D;
+                __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, in + i), _mm512_maskz_loadu_ps(m, cos + t * D + i));
+                __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, in + j), _mm512_maskz_loadu_ps(m, sin + t * D + i));
+                _mm512_mask_storeu_ps(o + i, m, _mm512_add_ps(a, b));
+            }
+        }
+    }
+}
+
+// out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [M, 2I] contiguous; silu(x) = x / (1 + e^-x) as torch.
+void silu_mul(const float* gu, long M, long I, float* out, int threads) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < M; r++) {
+        const float* gate = gu + r * 2 * I;
+        for (long i = 0; i < I; i += 16) {
+            const __mmask16 m = tail_mask(I - i);
+            __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+            __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_mask_storeu_ps(out + r * I + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, gate + I + i)));
+        }
+    }
+}
+
+}  // extern "C"
