@@ -4,7 +4,7 @@ The sources are compiled into one library, once per machine, with the
 system C++ compiler (``-O3 -march=native -ffp-contract=off -fopenmp``) into
 ``cache_root()/kernels``, keyed by a hash of the sources, the compiler and
 the CPU's flags, and loaded with ``ctypes``. No torch headers are
-involved, so a build takes a second or two. Where the
+involved, so a build takes a few seconds. Where the
 kernels cannot be had (not x86-64 with AVX-512, no compiler, a failed
 build, or ``OMNISTAGE_NATIVE=0``) :func:`native_kernels` returns ``None``
 and callers keep their torch path.

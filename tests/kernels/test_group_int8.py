@@ -94,6 +94,18 @@ def test_matmul_reads_non_contiguous_input_and_threads_agree():
     torch.testing.assert_close(one, F.linear(x, w), rtol=1e-5, atol=1e-6)
 
 
+def test_no_compiler_means_no_native_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("OMNISTAGE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    native.native_kernels.cache_clear()
+    try:
+        assert native.native_kernels() is None
+    finally:
+        monkeypatch.undo()
+        native.native_kernels.cache_clear()
+    assert native.native_kernels() is not None
+
+
 def test_env_turns_native_kernels_off(monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     native.native_kernels.cache_clear()
