@@ -19,6 +19,7 @@ from omnistage.models.qwen2_5_omni_talker import (
 from omnistage.models.tiny_omni_checkpoint import (
     SPEAKER_BOS_TOKEN_IDS,
     TALKER_EOS_TOKEN_IDS,
+    hf_generate_capturing_stages,
     write_tiny_qwen2_5_omni,
 )
 
@@ -42,40 +43,6 @@ def model(omni_dir: Any) -> Any:
 @pytest.fixture(scope="module")
 def tokenizer(omni_dir: Any) -> Any:
     return transformers.AutoTokenizer.from_pretrained(omni_dir)
-
-
-def run_hf(model: Any, input_ids: torch.Tensor, **kwargs: Any) -> dict[str, Any]:
-    """``model.generate`` (greedy talker), capturing the thinker result and
-    the talker's inputs and output of that same call."""
-    seen: dict[str, Any] = {}
-    thinker_generate, talker_generate = model.thinker.generate, model.talker.generate
-
-    def thinker_wrapper(**kw: Any) -> Any:
-        seen["thinker"] = thinker_generate(**kw)
-        return seen["thinker"]
-
-    def talker_wrapper(**kw: Any) -> Any:
-        seen["talker_kwargs"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}
-        seen["talker"] = talker_generate(**kw)
-        return seen["talker"]
-
-    model.thinker.generate, model.talker.generate = thinker_wrapper, talker_wrapper
-    try:
-        torch.manual_seed(0)
-        sequences, wav = model.generate(
-            input_ids,
-            talker_do_sample=False,
-            talker_eos_token_id=TALKER_EOS_TOKEN_IDS,
-            **kwargs,
-        )
-    finally:
-        del model.thinker.generate, model.talker.generate
-    codes = seen["talker"][0, seen["talker_kwargs"]["input_ids"].shape[1] :].tolist()
-    for i, code in enumerate(codes):
-        if code in TALKER_EOS_TOKEN_IDS:
-            codes = codes[:i]
-            break
-    return {"sequences": sequences, "wav": wav, "thinker": seen["thinker"], "codes": codes, **seen}
 
 
 def hf_masked_talker_codes(
@@ -164,7 +131,7 @@ def test_codes_equal_transformers_generate(
     model: Any, tokenizer: Any, prompt: str, speaker: str, penalty: float, max_codes: int
 ) -> None:
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
-    hf = run_hf(
+    hf = hf_generate_capturing_stages(
         model,
         input_ids,
         speaker=speaker,
@@ -197,7 +164,9 @@ def test_some_case_stops_at_codec_eos(model: Any, tokenizer: Any) -> None:
 
 def test_image_prompt_codes_equal_transformers_generate(model: Any, tokenizer: Any) -> None:
     input_ids, mm = image_prompt(tokenizer)
-    hf = run_hf(model, input_ids, speaker="Chelsie", thinker_max_new_tokens=5, talker_max_new_tokens=16, **mm)
+    hf = hf_generate_capturing_stages(
+        model, input_ids, speaker="Chelsie", thinker_max_new_tokens=5, talker_max_new_tokens=16, **mm
+    )
     handoff = handoff_from_hf_generate(model, input_ids, hf["thinker"], image_grid_thw=mm["image_grid_thw"])
     # image placeholder rows carry the hidden state only (embedding zeroed)
     prompt_states = hf["talker_kwargs"]["inputs_embeds"][0, : input_ids.shape[1]]
@@ -213,7 +182,9 @@ def test_default_codes_equal_transformers_masked_talker(model: Any, tokenizer: A
         input_ids, mm = image_prompt(tokenizer)
     else:
         input_ids, mm = tokenizer("tell me", return_tensors="pt").input_ids, {}
-    hf = run_hf(model, input_ids, speaker="Ethan", thinker_max_new_tokens=6, talker_max_new_tokens=2, **mm)
+    hf = hf_generate_capturing_stages(
+        model, input_ids, speaker="Ethan", thinker_max_new_tokens=6, talker_max_new_tokens=2, **mm
+    )
     expected = hf_masked_talker_codes(model, hf["talker_kwargs"], 20, repetition_penalty=1.05)
     grids = {"image_grid_thw": mm["image_grid_thw"]} if use_image else {}
     handoff = handoff_from_hf_generate(model, input_ids, hf["thinker"], **grids)

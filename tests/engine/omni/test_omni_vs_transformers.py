@@ -14,41 +14,23 @@ import torch
 from omni_utils import assert_same_answer
 
 from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker, handoff_from_hf_generate
-from omnistage.models.tiny_omni_checkpoint import SPEAKER_BOS_TOKEN_IDS, TALKER_EOS_TOKEN_IDS
+from omnistage.models.tiny_omni_checkpoint import (
+    SPEAKER_BOS_TOKEN_IDS,
+    hf_generate_capturing_stages,
+)
 from omnistage.sampling_params import SamplingParams
 
 
 def hf_generate(model: Any, input_ids: list[int], seed: int, **kwargs: Any) -> dict[str, Any]:
-    """``model.generate`` with a greedy talker after ``torch.manual_seed(seed)``,
-    capturing the thinker result and the talker's codes of that same call."""
-    seen: dict[str, Any] = {}
-    thinker_generate, talker_generate = model.thinker.generate, model.talker.generate
-
-    def thinker_wrapper(**kw: Any) -> Any:
-        seen["thinker"] = thinker_generate(**kw)
-        return seen["thinker"]
-
-    def talker_wrapper(**kw: Any) -> Any:
-        seen["prompt_len"] = kw["input_ids"].shape[1]
-        seen["talker"] = talker_generate(**kw)
-        return seen["talker"]
-
-    model.thinker.generate, model.talker.generate = thinker_wrapper, talker_wrapper
+    """``model.generate`` with a greedy talker after ``torch.manual_seed(seed)``: the thinker's
+    new tokens and result, and the talker's codes of that same call."""
     ids = torch.tensor([input_ids])
-    try:
-        torch.manual_seed(seed)
-        sequences, wav = model.generate(
-            ids, talker_do_sample=False, talker_eos_token_id=TALKER_EOS_TOKEN_IDS, **kwargs
-        )
-    finally:
-        del model.thinker.generate, model.talker.generate
-    codes = seen["talker"][0, seen["prompt_len"] :].tolist()
-    stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
+    hf = hf_generate_capturing_stages(model, ids, seed, **kwargs)
     return {
-        "tokens": sequences[0, len(input_ids) :].tolist(),
-        "codes": codes[:stop],
-        "wav": wav.reshape(-1).numpy(),
-        "thinker": seen["thinker"],
+        "tokens": hf["sequences"][0, len(input_ids) :].tolist(),
+        "codes": hf["codes"],
+        "wav": hf["wav"].reshape(-1).numpy(),
+        "thinker": hf["thinker"],
         "ids": ids,
     }
 
