@@ -404,9 +404,9 @@ def _attend_cache(
         k, v = gather_kv(cache, md.flat_gather_ids(num_kv_heads, cache.shape[2]), r)
         if md.single_kv_len is not None:
             k, v = k[:, :, : md.single_kv_len], v[:, :, : md.single_kv_len]
+    scale = head_dim**-0.5 if scaling is None else scaling
     if md.kind == DECODE:
         # One pass per (KV head, sequence) over its own keys, no mask (fp32 CPU, where built).
-        scale = head_dim**-0.5 if scaling is None else scaling
         out = native_decode_attention(query, k, v, md.seq_lens, scale)
         if out is not None:
             return out
@@ -420,7 +420,7 @@ def _attend_cache(
         # beat the flash kernel (built for long query blocks) by ~1.5x at these shapes.
         # (Reduced precision keeps SDPA, which accumulates the softmax in fp32.)
         scores = torch.matmul(q, k.transpose(-1, -2))
-        scores.mul_(head_dim**-0.5 if scaling is None else scaling)
+        scores.mul_(scale)
         bias = md.decode_bias(scores.dtype)
         if bias is not None:
             scores.add_(bias)
