@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(PY) -m omnistage.entrypoints.demo
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -15,7 +15,7 @@ from omnistage.core.kv_cache_utils import update_block_hashes
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
-from omnistage.worker.runner_output import ModelRunnerOutput
+from omnistage.core.runner_output import ModelRunnerOutput
 
 
 @dataclass

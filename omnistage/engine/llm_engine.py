@@ -23,7 +23,7 @@ from omnistage.engine.output_processor import OutputProcessor
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
-from omnistage.worker.kv_cache import kv_cache_bytes_per_block
+from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.worker.model_runner import ModelRunner
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType"]

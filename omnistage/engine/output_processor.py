@@ -15,7 +15,7 @@ from typing import Any
 from omnistage.core.request import Request
 from omnistage.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from omnistage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from omnistage.worker.runner_output import ModelRunnerOutput
+from omnistage.core.runner_output import ModelRunnerOutput
 
 
 @dataclass

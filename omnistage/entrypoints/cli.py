@@ -100,7 +100,7 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
     if not items:
         raise SystemExit("omnistage generate: no prompts; pass them as arguments or with --file")
     params = _sampling_params(args)  # fail on bad flags before loading the model
-    from omnistage.engine.omni.loader import is_omni_checkpoint
+    from omnistage.models.qwen2_5_omni import is_omni_checkpoint
 
     if args.model is not None and is_omni_checkpoint(args.model):
         return _run_generate_omni(args, items, params, out)

@@ -26,7 +26,7 @@ class LLM:
         # An omni checkpoint (thinker + talker + token2wav) gets the staged pipeline,
         # whose generate() also speaks: see omnistage.entrypoints.omni_llm.
         if cls is LLM and model is not None:
-            from omnistage.engine.omni.loader import is_omni_checkpoint
+            from omnistage.models.qwen2_5_omni import is_omni_checkpoint
 
             if is_omni_checkpoint(model):
                 from omnistage.entrypoints.omni_llm import OmniLLM

@@ -16,7 +16,7 @@ import numpy as np
 
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.llm_engine import PromptType
-from omnistage.engine.omni.loader import OmniModel, is_omni_checkpoint, load_qwen2_5_omni
+from omnistage.models.qwen2_5_omni import OmniModel, is_omni_checkpoint, load_qwen2_5_omni
 from omnistage.engine.omni.pipeline import OmniPipeline
 from omnistage.engine.omni.talker_stage import TalkerParams, TalkerStage, TalkerStageConfig
 from omnistage.engine.omni.thinker_stage import ThinkerStage

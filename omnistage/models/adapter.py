@@ -4,7 +4,7 @@ The HF modules hold the weights. For Llama, Qwen2 and Qwen3 a lean forward
 (:mod:`omnistage.models.fast_forward`) runs the decoder math over those same
 weights with far fewer ops per layer; any other model runs HF's own modules
 with their attention function swapped for omnistage's paged one
-(:data:`~omnistage.worker.attention.ATTN_IMPL`), on a step's packed tokens as
+(:data:`~omnistage.attention.paged_attention.ATTN_IMPL`), on a step's packed tokens as
 a batch of one. The LM head is kept apart so the runner computes logits only
 for the tokens it samples.
 
@@ -21,8 +21,8 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from omnistage.models.fast_forward import LeanDecoder, lean_decoder_or_none
-from omnistage.worker.attention import ATTN_IMPL, AttentionMetadata, attention_context
-from omnistage.worker.sampler import first_argmax
+from omnistage.attention.paged_attention import ATTN_IMPL, AttentionMetadata, attention_context
+from omnistage.kernels.argmax import first_argmax
 
 LEAN_ENV = "OMNISTAGE_LEAN_FORWARD"
 

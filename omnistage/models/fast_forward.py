@@ -30,7 +30,7 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
   precomputed ``sin`` (bit-identical to HF's ``rotate_half``); cos/sin come
   from the model's own rotary module once per step, for all layers;
 - Qwen3's per-head q/k RMSNorm as one op over q and k together;
-- paged attention called directly (:func:`omnistage.worker.attention.paged_attention`).
+- paged attention called directly (:func:`omnistage.attention.paged_attention.paged_attention`).
 
 On the torch path every elementwise op is the one HF uses, in the same
 order, so in fp32 the only differences from the HF path are the matmuls'
@@ -55,7 +55,7 @@ from transformers import PreTrainedModel
 from omnistage.kernels.decode_ops import native_rms_norm, native_rope, native_silu_mul
 from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul
 from omnistage.kernels.native import native_kernels
-from omnistage.worker.attention import AttentionMetadata, paged_attention
+from omnistage.attention.paged_attention import AttentionMetadata, paged_attention
 
 __all__ = ["LEAN_MODEL_CLASSES", "LeanDecoder", "PackedLinear", "lean_decoder_or_none"]
 

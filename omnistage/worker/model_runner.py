@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from omnistage.core.sched_output import NewRequestData, SchedulerOutput
-from omnistage.worker.attention import allocate_kv_caches, build_attention_metadata
+from omnistage.attention.paged_attention import allocate_kv_caches, build_attention_metadata
 from omnistage.worker.input_batch import BatchStep, InputBatch
 from omnistage.worker.mm.encoder_cache import EncoderCache
 from omnistage.worker.model_state import ModelState
-from omnistage.worker.runner_output import ModelRunnerOutput
+from omnistage.core.runner_output import ModelRunnerOutput
 from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingState
 
 

@@ -14,18 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omnistage.kernels.argmax import first_argmax
 from omnistage.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-
-
-def first_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)``: the first index of each row's maximum (NaN counts as the maximum).
-
-    ``max(-1).indices`` has those semantics too and its CPU kernel was
-    measured 1.5-2.8x faster than ``argmax`` on ``[32, 49152]`` fp32/bf16 rows.
-    """
-    return logits.max(dim=-1).indices
 
 
 @dataclass

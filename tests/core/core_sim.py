@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from omnistage.core.request import Request
 from omnistage.core.sched_output import SchedulerOutput
 from omnistage.core.scheduler import Scheduler
-from omnistage.worker.runner_output import ModelRunnerOutput
+from omnistage.core.runner_output import ModelRunnerOutput
 
 
 def next_token(tokens: list[int]) -> int:

@@ -9,7 +9,7 @@ from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
 from omnistage.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from omnistage.sampling_params import SamplingParams
-from omnistage.worker.runner_output import ModelRunnerOutput
+from omnistage.core.runner_output import ModelRunnerOutput
 
 from core_sim import FakeWorker, assert_pool_clean, reference_output, run_to_completion
 

@@ -16,7 +16,7 @@ from omnistage.models.default_model import DEFAULT_MODEL_NAME, default_model_pat
 from omnistage.models.gguf_convert import MARKER
 from omnistage.models.loader import load_model
 from omnistage.sampling_params import SamplingParams
-from omnistage.worker.attention import DECODE, PREFILL_SINGLE, allocate_kv_caches, build_attention_metadata
+from omnistage.attention.paged_attention import DECODE, PREFILL_SINGLE, allocate_kv_caches, build_attention_metadata
 from omnistage.worker.input_batch import InputBatch
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from omnistage.engine.arg_utils import EngineArgs
 from omnistage.models.loader import load_model
 from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
 from omnistage.sampling_params import SamplingParams
-from omnistage.worker.kv_cache import kv_cache_bytes_per_block
+from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.worker.model_runner import ModelRunner
 
 BS = 4

@@ -155,7 +155,7 @@ def test_half_precision_logits(temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_first_argmax_equals_argmax_with_ties_and_nan(dtype):
-    from omnistage.worker.sampler import first_argmax
+    from omnistage.kernels.argmax import first_argmax
 
     torch.manual_seed(0)
     logits = torch.randint(-3, 4, (64, 1000)).to(dtype)  # many tied maxima per row

@@ -12,8 +12,8 @@ from omnistage.core.scheduler import Scheduler
 from omnistage.engine.omni.stage_io import TalkerRequest, Token2WavRequest, talker_sampling_defaults
 from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker
 from omnistage.sampling_params import SamplingParams
-from omnistage.worker.kv_cache import kv_cache_bytes_per_block
-from omnistage.worker.omni.paged_models import PagedOmniTalker
+from omnistage.attention.kv_cache import kv_cache_bytes_per_block
+from omnistage.models.qwen2_5_omni import PagedOmniTalker
 from omnistage.worker.omni.talker_runner import TalkerSequence, TalkerStageRunner
 
 __all__ = ["TalkerParams", "TalkerStage", "TalkerStageConfig"]

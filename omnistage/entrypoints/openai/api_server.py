@@ -94,7 +94,7 @@ def _default_engine_factory(engine_args: Any, options: ServerOptions) -> Callabl
     token2wav) an ``OmniEngine`` that can also speak its answers."""
 
     def make() -> Any:
-        from omnistage.engine.omni.loader import is_omni_checkpoint
+        from omnistage.models.qwen2_5_omni import is_omni_checkpoint
 
         if is_omni_checkpoint(getattr(engine_args, "model", None)):
             from omnistage.entrypoints.openai.omni_engine import OmniEngine

@@ -10,10 +10,10 @@ import torch
 
 from omnistage.core.sched_output import SchedulerOutput
 from omnistage.models.qwen2_5_omni_talker import TalkerPrompt
-from omnistage.worker.attention import build_attention_metadata
+from omnistage.attention.paged_attention import build_attention_metadata
 from omnistage.worker.input_batch import BatchStep
 from omnistage.worker.model_runner import ModelRunner
-from omnistage.worker.runner_output import ModelRunnerOutput
+from omnistage.core.runner_output import ModelRunnerOutput
 
 __all__ = ["TalkerSequence", "TalkerStageRunner"]
 

@@ -10,9 +10,9 @@ from omnistage.core.sched_output import SchedulerOutput
 from omnistage.models.qwen2_5_omni_talker import thinker_states_for_talker
 from omnistage.worker.input_batch import BatchStep
 from omnistage.worker.model_runner import ModelRunner
-from omnistage.worker.omni.step_tensor_cache import StepTensorCache
-from omnistage.worker.omni.tensor_cache_policy import tensor_cache_policy_of
-from omnistage.worker.runner_output import ModelRunnerOutput
+from omnistage.worker.tensor_prefix_cache.step_cache import StepTensorCache
+from omnistage.models.interface import tensor_cache_policy_of
+from omnistage.core.runner_output import ModelRunnerOutput
 
 __all__ = ["ThinkerStageRunner", "placeholder_token_ids"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omni_utils import GREEDY_TALKER, SMALL, assert_nothing_held, assert_same_answer
 
-from omnistage.engine.omni.loader import is_omni_checkpoint
+from omnistage.models.qwen2_5_omni import is_omni_checkpoint
 from omnistage.entrypoints.omni_llm import OmniLLM, write_wav
 from omnistage.sampling_params import SamplingParams
 

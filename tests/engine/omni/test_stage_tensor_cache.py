@@ -147,7 +147,7 @@ def test_thinker_runner_stages_and_commits_a_models_deferred_outputs(omni_model)
 
     from omnistage.engine.arg_utils import EngineArgs
     from omnistage.engine.omni.thinker_stage import ThinkerStage
-    from omnistage.worker.omni.paged_models import ThinkerForTalkerAdapter
+    from omnistage.models.qwen2_5_omni import ThinkerForTalkerAdapter
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, values) of every staged row
 

@@ -10,8 +10,8 @@ import torch
 
 from omnistage.core.sched_output import SchedulerOutput
 from omnistage.worker.input_batch import BatchStep, InputBatch
-from omnistage.worker.omni.tensor_cache_policy import TensorCachePolicy
-from omnistage.worker.tensor_prefix_cache import OmniTensorPrefixCache
+from omnistage.models.interface import TensorCachePolicy
+from omnistage.worker.tensor_prefix_cache.cache import OmniTensorPrefixCache
 
 __all__ = ["StepTensorCache"]
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from omnistage.models.loader import load_model
 from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 from omnistage.sampling_params import SamplingParams
-from omnistage.worker.attention import (
+from omnistage.attention.paged_attention import (
     DECODE,
     MIXED,
     PREFILL,
@@ -26,7 +26,7 @@ from omnistage.worker.attention import (
     build_attention_metadata,
     paged_attention_forward,
 )
-from omnistage.worker import kv_cache
+from omnistage.attention import kv_cache
 from omnistage.worker.input_batch import InputBatch
 
 BLOCK = 4

@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from omnistage.worker.deferred_rows import DeferredChunk, DeferredRows, assemble
-from omnistage.worker.payload import RequestSpans, divide_among_requests, to_cpu_tree
+from omnistage.worker.tensor_prefix_cache.deferred_rows import DeferredChunk, DeferredRows, assemble
+from omnistage.worker.tensor_prefix_cache.payload import RequestSpans, divide_among_requests, to_cpu_tree
 
 logger = logging.getLogger(__name__)
 

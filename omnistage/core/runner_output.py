@@ -1,10 +1,16 @@
-"""What the worker hands back to the scheduler after a step."""
+"""What the worker hands back to the scheduler after a step.
+
+Plain data the scheduler side reads without importing torch: tensors appear
+only in annotations (per-token outputs for a downstream stage).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,8 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from omnistage.kernels.attention import native_decode_attention
-from omnistage.worker.input_batch import BatchStep
-from omnistage.worker.kv_cache import (
+from omnistage.attention.kv_cache import (
     allocate_kv_caches,
     build_dense_view,
     dense_view,
@@ -146,7 +146,20 @@ class AttentionMetadata:
         return mask
 
 
-def build_attention_metadata(step: BatchStep, block_size: int) -> AttentionMetadata:
+class StepLayout(Protocol):
+    """What attention needs of a step's packed batch (the worker's ``BatchStep`` has it)."""
+
+    input_ids: torch.Tensor
+    req_ids: Sequence[str]
+    num_scheduled_tokens: np.ndarray
+    num_computed_tokens: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+
+
+def build_attention_metadata(step: StepLayout, block_size: int) -> AttentionMetadata:
     """Indices and masks for one step, from the host-side arrays of ``step``.
 
     Everything is computed with numpy on the host and copied once, so the

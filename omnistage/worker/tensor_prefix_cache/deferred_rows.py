@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omnistage.worker.payload import int_list
+from omnistage.worker.tensor_prefix_cache.payload import int_list
 
 # One staged chunk: (token position of its first row, its rows).
 DeferredChunk = tuple[int, torch.Tensor]
