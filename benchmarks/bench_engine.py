@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.stage_engine import LLMEngine
 from omnistage.kernels.native import native_kernels
 from omnistage.models.loader import load_model
 from omnistage.sampling_params import SamplingParams

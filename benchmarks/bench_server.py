@@ -221,7 +221,7 @@ def main() -> None:
         engine = None
         if not args.skip_offline:
             from omnistage.engine.arg_utils import EngineArgs
-            from omnistage.engine.llm_engine import LLMEngine
+            from omnistage.engine.stage_engine import LLMEngine
 
             engine = LLMEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len, max_num_seqs=max(args.concurrency)))
             run_offline(engine, make_prompts(2), 2, 4)  # warm-up

@@ -9,7 +9,7 @@ from omnistage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from omnistage.engine.arg_utils import EngineArgs
-    from omnistage.engine.llm_engine import LLMEngine
+    from omnistage.engine.stage_engine import LLMEngine
     from omnistage.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
@@ -18,7 +18,7 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", 
 # Importing these pulls in torch and transformers; keep `import omnistage` light.
 _LAZY = {
     "LLM": "omnistage.entrypoints.llm",
-    "LLMEngine": "omnistage.engine.llm_engine",
+    "LLMEngine": "omnistage.engine.stage_engine",
     "EngineArgs": "omnistage.engine.arg_utils",
 }
 

@@ -48,3 +48,6 @@ class RequestOutput:
     audio: object | None = None
     sample_rate: int | None = None
     extra: dict = field(default_factory=dict)
+    # What a pipeline stage hands to the next (vllm-omni's name): per-token
+    # rows ("hidden_states"), a one-shot stage's outputs ("audio").
+    multimodal_output: dict = field(default_factory=dict)

@@ -149,6 +149,7 @@ class AttentionMetadata:
 class StepLayout(Protocol):
     """What attention needs of a step's packed batch (the worker's ``BatchStep`` has it)."""
 
+    num_tokens: int
     input_ids: torch.Tensor
     req_ids: Sequence[str]
     num_scheduled_tokens: np.ndarray

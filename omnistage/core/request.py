@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.sampling_params import SamplingParams
@@ -52,6 +53,11 @@ class Request:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # What the model needs of this request besides token ids (a stage's hand-off,
+    # e.g. the talker's prompt rows); opaque here, it travels to the worker.
+    payload: Any = None
+    # The worker returns this request's per-token outputs (for a later stage) each step.
+    return_hidden_states: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.sampling_params import SamplingParams
@@ -25,6 +26,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+    payload: Any = None  # ``Request.payload``: model inputs beyond token ids, kept by the worker
+    return_hidden_states: bool = False  # the worker returns this request's per-token outputs
 
 
 @dataclass

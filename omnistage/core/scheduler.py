@@ -244,7 +244,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, list(kv.get_block_ids(request.request_id)), num_hit,
-                list(request.mm_features),
+                list(request.mm_features), request.payload, request.return_hidden_states,
             ))  # fmt: skip
             self._commit(request, n, enc, num_scheduled, encoder_inputs)
             budget -= n

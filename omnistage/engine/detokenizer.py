@@ -56,6 +56,22 @@ class IncrementalDetokenizer:
         return delta
 
 
+class TokenIdsOnly:
+    """``IncrementalDetokenizer``'s interface for a stage whose tokens are not text
+    (a talker's codec ids): it keeps the ids and the text stays empty."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
     """The earliest stop string that ends inside the last ``num_new_chars``
     characters of ``text``, and where it starts; None when there is none.

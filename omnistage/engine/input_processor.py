@@ -29,6 +29,7 @@ class ProcessedInputs:
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     cache_salt: str | None = None
+    payload: Any = None  # model inputs beyond token ids (a stage's hand-off), see ``Request.payload``
 
 
 class InputProcessor:

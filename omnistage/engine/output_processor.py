@@ -5,17 +5,26 @@ Holds, per user request, its completions (one per child request when
 cumulative; while a completion runs, the last ``len(longest stop) - 1``
 characters are held back, so the visible text only ever grows even when a
 stop string later turns out to straddle a step and is cut off.
+
+Stage outputs: per-token rows a request returns (``ModelRunnerOutput.hidden_states``)
+are gathered step by step and handed over once, concatenated, in the finished
+output's ``multimodal_output["hidden_states"]``; a preemption drops those
+gathered so far (the resumed request returns them again). A one-shot stage's
+outputs (``multimodal_outputs``) go to ``multimodal_output`` as they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from omnistage.core.request import Request
-from omnistage.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from omnistage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from omnistage.core.runner_output import ModelRunnerOutput
+from omnistage.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, find_stop_string
+from omnistage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -24,11 +33,13 @@ class CompletionState:
 
     index: int
     request: Request
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | TokenIdsOnly
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    rows: list[torch.Tensor] = field(default_factory=list)  # per-token outputs gathered so far
+    stage_outputs: dict[str, Any] = field(default_factory=dict)  # a one-shot stage's outputs
 
     def __post_init__(self) -> None:
         params = self.request.sampling_params
@@ -94,11 +105,11 @@ class RequestState:
         return all(c.finished for c in self.completions)
 
     def to_output(self) -> RequestOutput:
-        first = self.completions[0].request
-        cached = max(0, first.num_cached_tokens)
+        first = self.completions[0]
+        cached = max(0, first.request.num_cached_tokens)
         self.metrics.num_cached_tokens = cached
-        self.metrics.first_scheduled_time = first.first_scheduled_time
-        return RequestOutput(
+        self.metrics.first_scheduled_time = first.request.first_scheduled_time
+        out = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
@@ -107,6 +118,14 @@ class RequestState:
             metrics=self.metrics,
             num_cached_tokens=cached,
         )
+        if self.finished:
+            out.multimodal_output.update(first.stage_outputs)
+            if first.request.return_hidden_states:
+                rows = first.rows
+                out.multimodal_output["hidden_states"] = (
+                    torch.cat(rows) if len(rows) > 1 else rows[0] if rows else None
+                )
+        return out
 
 
 class OutputProcessor:
@@ -123,10 +142,12 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: str | None, children: list[Request], arrival_time: float
     ) -> RequestState:
-        completions = [
-            CompletionState(i, child, IncrementalDetokenizer(self.tokenizer, child.sampling_params.skip_special_tokens))
-            for i, child in enumerate(children)
-        ]
+        def detokenizer(child: Request) -> IncrementalDetokenizer | TokenIdsOnly:
+            if self.tokenizer is None:
+                return TokenIdsOnly()
+            return IncrementalDetokenizer(self.tokenizer, child.sampling_params.skip_special_tokens)
+
+        completions = [CompletionState(i, child, detokenizer(child)) for i, child in enumerate(children)]
         state = RequestState(
             request_id, prompt, list(children[0].prompt_token_ids), completions, RequestMetrics(arrival_time)
         )
@@ -144,6 +165,13 @@ class OutputProcessor:
             self.children.pop(c.request.request_id, None)
         return [c.request.request_id for c in state.completions if not c.finished]
 
+    def drop_rows(self, child_ids: Iterable[str]) -> None:
+        """Forget the per-token rows gathered for preempted requests."""
+        for cid in child_ids:
+            entry = self.children.get(cid)
+            if entry is not None:
+                entry[1].rows.clear()
+
     def process(
         self, updated: list[Request], runner_output: ModelRunnerOutput, now: float
     ) -> tuple[list[RequestOutput], list[str]]:
@@ -151,6 +179,14 @@ class OutputProcessor:
         that a stop string finished (the scheduler must still be told)."""
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
+        for cid, rows in (runner_output.hidden_states or {}).items():
+            entry = self.children.get(cid)
+            if entry is not None:  # rows of a partial prefill chunk too: its request is not in ``updated``
+                entry[1].rows.append(rows)
+        for cid, values in (runner_output.multimodal_outputs or {}).items():
+            entry = self.children.get(cid)
+            if entry is not None:
+                entry[1].stage_outputs.update(values)
         for req in updated:
             entry = self.children.get(req.request_id)
             if entry is None:

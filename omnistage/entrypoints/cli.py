@@ -67,7 +67,7 @@ def _serve_hooks() -> tuple[Any, Any] | None:
 
 def _engine(args: argparse.Namespace) -> Any:
     from omnistage.engine.arg_utils import EngineArgs
-    from omnistage.engine.llm_engine import LLMEngine
+    from omnistage.engine.stage_engine import LLMEngine
 
     return LLMEngine(EngineArgs.from_cli_args(args))  # --seed seeds the engine too
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.stage_engine import LLMEngine
 from omnistage.entrypoints.cli import stream_answer
 from omnistage.sampling_params import SamplingParams
 

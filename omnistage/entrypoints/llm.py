@@ -1,4 +1,4 @@
-"""Offline inference: ``LLM(...).generate(prompts)`` and ``.chat(messages)``."""
+"""Offline inference: ``LLM(...).generate(prompts)`` and ``.chat(messages)``, for every kind of model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from omnistage.engine.factory import Engine, build_engine
+from omnistage.engine.omni.pipeline import OmniOptions
+from omnistage.engine.stage_engine import EngineStats, PromptType
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -17,25 +19,28 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """A model and its engine, for batch generation in this process.
 
-    ``model=None`` loads the embedded default (SmolLM2-135M-Instruct); other
-    keyword arguments are :class:`EngineArgs` fields (``max_num_seqs``,
-    ``enable_prefix_caching``, ``num_kv_blocks``, ...).
+    ``model`` is a checkpoint folder or GGUF file (None: the embedded default,
+    SmolLM2-135M-Instruct), or a model already loaded (``OmniModel``,
+    ``LoadedModel``) whose weights the engine shares. Other keyword arguments
+    are :class:`EngineArgs` fields (``max_num_seqs``, ``enable_prefix_caching``,
+    ``num_kv_blocks``, ...) and, for an omni checkpoint (thinker + talker +
+    token2wav), the :class:`OmniOptions` fields (``talker_params``,
+    ``enable_tensor_prefix_cache``, ``talker_max_num_seqs``, ...).
+
+    Every kind of model has the same methods, arguments and defaults; an omni
+    checkpoint also speaks: ``generate`` and ``chat`` take ``return_audio``
+    (None: speak when the model can), ``speaker`` and ``talker_params``, and
+    fill ``RequestOutput.audio`` (1-D float32) and ``.sample_rate``.
     """
 
-    def __new__(cls, model: str | None = None, **engine_args: Any) -> Any:
-        # An omni checkpoint (thinker + talker + token2wav) gets the staged pipeline,
-        # whose generate() also speaks: see omnistage.entrypoints.omni_llm.
-        if cls is LLM and model is not None:
-            from omnistage.models.qwen2_5_omni import is_omni_checkpoint
-
-            if is_omni_checkpoint(model):
-                from omnistage.entrypoints.omni_llm import OmniLLM
-
-                return OmniLLM(model, **engine_args)
-        return super().__new__(cls)
-
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+    def __init__(self, model: Any = None, **kwargs: Any) -> None:
+        options, engine_kwargs = OmniOptions.split(kwargs)
+        loaded = None
+        if model is not None and not isinstance(model, str):
+            loaded = model
+            model = getattr(getattr(model, "thinker", model), "model_path", None)
+        args = EngineArgs(model=model, **engine_kwargs)
+        self.llm_engine: Engine = build_engine(args, options, loaded)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -44,11 +49,19 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
+    @property
+    def output_modalities(self) -> frozenset[str]:
+        return getattr(self.llm_engine, "output_modalities", frozenset({"text"}))
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        return_audio: bool | None = None,
+        speaker: str | None = None,
+        talker_params: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; outputs come back in input order.
 
@@ -61,8 +74,14 @@ class LLM:
         Every prompt is processed before any is queued, so a bad item raises
         ``ValueError`` (naming the prompt's request id and the item) with the
         engine untouched.
+
+        Omni checkpoints: ``sampling_params`` apply to the thinker, whose
+        answer is ``outputs[0].text``; with ``return_audio`` (default: when
+        the model can speak) ``audio`` is the spoken answer, in ``speaker``'s
+        voice (None: the checkpoint's default), with ``talker_params``
+        overriding the talker's sampling for this call.
         """
-        return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm)
+        return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm, return_audio, speaker, talker_params)
 
     def chat(
         self,
@@ -72,6 +91,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        *,
+        return_audio: bool | None = None,
+        speaker: str | None = None,
+        talker_params: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or a list
         of conversations, rendered with the checkpoint's chat template.
@@ -79,18 +102,22 @@ class LLM:
         ``content`` is a string or a list of OpenAI-style parts: ``text``,
         ``image_url`` (data URL or local path), ``input_audio`` (base64 WAV),
         and for convenience ``image`` / ``audio`` / ``video`` parts holding the
-        decoded item (see ``omnistage.multimodal.chat``)."""
+        decoded item (see ``omnistage.multimodal.chat``). The audio options
+        are ``generate``'s."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
         kwargs = chat_template_kwargs or {}
         prompts = [engine.encode_chat(c, add_generation_prompt, mm_processor_kwargs, **kwargs) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, return_audio, speaker, talker_params)
 
     def _run(
         self,
         prompts: list[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        return_audio: bool | None,
+        speaker: str | None,
+        talker_params: dict[str, Any] | None,
     ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -99,13 +126,17 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; pass one or one each")
         engine = self.llm_engine
+        speaks = "audio" in self.output_modalities
+        if not speaks and (return_audio or speaker is not None or talker_params):
+            raise ValueError("this model cannot speak: return_audio, speaker and talker_params need an omni checkpoint")
+        audio = {"return_audio": return_audio, "speaker": speaker, "talker_params": talker_params} if speaks else {}
         request_ids = [str(next(self._ids)) for _ in prompts]
         # Tokenize and process media first: a bad prompt raises before anything is queued.
         processed = [engine.process_inputs(rid, prompt) for rid, prompt in zip(request_ids, prompts)]
         order: dict[str, int] = {}
         try:
             for i, (request_id, inputs, sp) in enumerate(zip(request_ids, processed, params)):
-                engine.add_request(request_id, inputs, sp)
+                engine.add_request(request_id, inputs, sp, **audio)
                 order[request_id] = i
         except ValueError:
             engine.abort_request(list(order))  # leave the engine as it was

@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from omnistage.attention.paged_attention import AttentionMetadata
+from omnistage.attention.paged_attention import AttentionMetadata, StepLayout
 from omnistage.models.adapter import CausalLM
 from omnistage.models.interface import NO_TENSOR_CACHE, TensorCachePolicy
 from omnistage.models.loader import LoadedModel, eos_token_ids, hf_progress_bars_off, resolve_dtype
 from omnistage.models.mm_loader import TextStackView
+from omnistage.models.qwen2_5_omni_talker import TalkerPrompt, thinker_states_for_talker
 from omnistage.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerAdapter
 from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
 
@@ -46,12 +48,26 @@ class ThinkerForTalkerAdapter(Qwen2_5OmniThinkerAdapter):
     """The Qwen2.5-Omni thinker adapter, as the first stage of an omni pipeline.
 
     It declares the one per-token tensor its talker reads for every token:
-    final hidden + input embedding, of ``hidden_size`` width. Its stage then
-    keeps that tensor beside the KV blocks, so a prefix hit still hands the
-    talker every row.
+    final hidden + input embedding, of ``hidden_size`` width, with the
+    embedding zero at multimodal placeholders (``thinker_states_for_talker``).
+    Its stage then keeps that tensor beside the KV blocks, so a prefix hit
+    still hands the talker every row.
     """
 
     tensor_cache_policy = THINKER_FOR_TALKER_POLICY
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        names = ("audio_token_index", "image_token_index", "video_token_index")
+        ids = [int(getattr(self.config, n)) for n in names if getattr(self.config, n, None) is not None]
+        self._placeholders = torch.tensor(ids, device=self.device)
+
+    @torch.inference_mode()
+    def per_token_outputs(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` rows the talker conditions on, for a step's packed tokens."""
+        return thinker_states_for_talker(
+            hidden, self.embed_input_ids(input_ids), torch.isin(input_ids, self._placeholders)
+        )
 
 
 class PagedOmniTalker:
@@ -106,6 +122,55 @@ class PagedOmniTalker:
     def embed_codec(self, codec_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` codec ids -> ``[T, thinker_hidden]`` codec embeddings."""
         return self._codec_embed(codec_ids)
+
+    @torch.inference_mode()
+    def step_inputs(self, step: StepLayout, prompts: Sequence[TalkerPrompt]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, thinker_hidden]`` inputs (before projection) and ``[3, T]`` positions.
+
+        A request's token at index ``i`` enters as follows (``P`` prompt rows,
+        ``R`` reply rows, in its ``TalkerPrompt``):
+
+        - ``i < P``: ``prompt.prefill_embeds[i]`` at ``prompt.positions[:, i]``;
+        - ``i >= P``: ``codec_embed(token i) + reply[min(i - P, R - 1)]`` at
+          ``i + rope_delta`` on all three axes (token ``i`` is the code
+          sampled at ``i - 1``; past the reply its last row, tts_text_pad,
+          repeats).
+
+        Both branches are taken per request, so chunked prefill and mixed
+        prefill/decode steps work as for text.
+        """
+        rows: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        is_code = np.zeros(step.num_tokens, dtype=bool)
+        starts = step.num_computed_tokens.tolist()
+        ends = step.seq_lens.tolist()
+        offsets = step.query_start_loc.tolist()
+        # One pass per request: each contributes a slice of its prefill rows and/or
+        # its reply rows; a single cat below copies them into the step's input.
+        for prompt, start, end, offset in zip(prompts, starts, ends, offsets):
+            num_prompt = prompt.num_prompt_tokens
+            if start < num_prompt:
+                stop = min(end, num_prompt)
+                rows.append(prompt.prefill_embeds[start:stop])
+                positions.append(prompt.positions[:, start:stop])
+            if end > num_prompt:
+                first = max(start, num_prompt)
+                last_reply = prompt.reply.shape[0] - 1
+                lo, hi = first - num_prompt, end - num_prompt
+                if hi - 1 <= last_reply:
+                    rows.append(prompt.reply[lo:hi])
+                else:
+                    rows.append(prompt.reply[torch.arange(lo, hi).clamp_(max=last_reply)])
+                idx = torch.arange(first, end, device=prompt.positions.device) + prompt.rope_delta
+                positions.append(idx.to(prompt.positions.dtype).expand(3, -1))
+                is_code[offset + first - start : offset + end - start] = True
+        x = torch.cat(rows) if len(rows) > 1 else rows[0]
+        pos = torch.cat(positions, dim=1) if len(positions) > 1 else positions[0]
+        if is_code.any():
+            mask = torch.from_numpy(is_code).to(x.device)
+            # codec_embed(code) + reply row, as the reference adds them (one lookup for the step).
+            x = torch.where(mask[:, None], self.embed_codec(step.input_ids[: step.num_tokens]) + x, x)
+        return x, pos
 
 OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration",)
 

@@ -8,13 +8,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.core.sched_output import NewRequestData, SchedulerOutput
 from omnistage.attention.paged_attention import allocate_kv_caches, build_attention_metadata
+from omnistage.core.runner_output import ModelRunnerOutput
+from omnistage.core.sched_output import NewRequestData, SchedulerOutput
+from omnistage.models.interface import tensor_cache_policy_of
 from omnistage.worker.input_batch import BatchStep, InputBatch
 from omnistage.worker.mm.encoder_cache import EncoderCache
 from omnistage.worker.model_state import ModelState
-from omnistage.core.runner_output import ModelRunnerOutput
 from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingState
+from omnistage.worker.tensor_prefix_cache import StepTensorCache
 
 
 @dataclass
@@ -28,22 +30,36 @@ class StepModelInputs:
 
 
 class ModelRunner:
-    """Owns the paged KV caches and the persistent batch of one model.
+    """Owns the paged KV caches and the persistent batch of one model; every stage runs one.
 
     Each step it mirrors the scheduler's decisions into ``InputBatch`` (drop
     rows that left, add new or resumed requests, extend block tables), runs
     one packed, unpadded forward over every scheduled token, computes logits
     only at the last token of requests that sample, and samples.
 
-    A multimodal model (``loaded_model.mm_adapter`` set) also gets a
-    ``ModelState`` with an ``EncoderCache``: each step frees the encoder
-    outputs the scheduler evicted, encodes the scheduled items, merges the
-    window's encoder rows into ``inputs_embeds``, and runs at M-RoPE
-    positions (``[3, T]``; a request's prompt table is computed once when it
-    joins, generated tokens sit at ``index + delta``).
+    What a model adds is declared by the model (``models.interface``), never
+    by a runner subclass:
 
-    A step is ``prepare_step`` -> ``compute_hidden_states`` (overridable; the
-    Omni thinker stage reads the hidden states there) -> ``sample``.
+    - **Media** (``loaded_model.mm_adapter`` set): a ``ModelState`` with an
+      ``EncoderCache``. Each step frees the encoder outputs the scheduler
+      evicted, encodes the scheduled items, merges the window's encoder rows
+      into ``inputs_embeds``, and runs at M-RoPE positions (``[3, T]``; a
+      request's prompt table is computed once when it joins, generated tokens
+      sit at ``index + delta``).
+    - **Per-request payloads** (the model has ``step_inputs``): the step's
+      input embeddings and positions are built by the model from each
+      request's ``payload``, which arrives with the request in the scheduler
+      output and is kept until the request leaves the batch.
+    - **Per-token outputs** (the model has ``per_token_outputs``): for
+      requests with ``return_hidden_states``, each step's rows go back in
+      ``ModelRunnerOutput.hidden_states`` (CPU), prefix rows included on a KV
+      prefix hit, served by the tensor prefix cache that the model's
+      ``tensor_cache_policy`` asks for. Deferred keys (known after sampling)
+      are staged there and committed when the request finishes.
+
+    ``enable_tensor_cache=False`` builds no tensor prefix cache: a prefix hit
+    then leaves a request that returns per-token rows short of its prefix,
+    which the engine reports at its hand-off.
     """
 
     def __init__(
@@ -56,6 +72,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
+        enable_tensor_cache: bool = True,
     ) -> None:
         self.model = loaded_model.model
         self.device = torch.device(device)
@@ -87,10 +104,23 @@ class ModelRunner:
         # a text prompt's positions are its indices)
         self._mrope_prompt: dict[str, np.ndarray] = {}
         self.num_encoded_items = 0  # items run through an encoder tower, for tests and benchmarks
+        # Per-request payloads (models whose inputs are built per request) and
+        # the requests whose per-token outputs go back each step.
+        self._payloads: dict[str, Any] = {}
+        self._returns_rows: set[str] = set()
+        # The declarations sit on the multimodal adapter when there is one, else on the model.
+        self.stage_model = self.mm_adapter or self.model
+        policy = tensor_cache_policy_of(self.stage_model)
+        self.tensor_cache: StepTensorCache | None = None
+        if enable_tensor_cache and policy.caches_anything:
+            self.tensor_cache = StepTensorCache(policy, num_kv_blocks, block_size, m.hidden_size, m.dtype)
 
     # -- batch bookkeeping ----------------------------------------------------
 
     def _remove(self, req_id: str) -> None:
+        # A preempted request comes back as new, bringing its payload again.
+        self._payloads.pop(req_id, None)
+        self._returns_rows.discard(req_id)
         if self.encoder_cache is not None:
             self.encoder_cache.remove_request(req_id)  # its encoder outputs stay: they are shared
             self._mrope_prompt.pop(req_id, None)
@@ -101,6 +131,9 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        if self.tensor_cache is not None:
+            # Deferred outputs of finished requests are committed while their rows still exist.
+            self.tensor_cache.begin_step(so, batch)
         for req_id in so.finished_req_ids | so.aborted_req_ids:
             self._parked_generators.pop(req_id, None)
             self._remove(req_id)
@@ -129,8 +162,14 @@ class ModelRunner:
             self.sampling_state.set_row(row, new.sampling_params)
             if self.encoder_cache is not None:
                 self._add_mm_request(new, row)
+            if new.payload is not None:
+                self._payloads[new.req_id] = new.payload
+            if new.return_hidden_states:
+                self._returns_rows.add(new.req_id)
         for cached in so.scheduled_cached_reqs:
             batch.update_request(cached.req_id, cached.new_block_ids, cached.num_computed_tokens)
+        if self.tensor_cache is not None:
+            self.tensor_cache.rows_added(so)
 
     def _add_mm_request(self, new: NewRequestData, row: int) -> None:
         """Register a request's items with the encoder cache (text prompts too:
@@ -143,12 +182,20 @@ class ModelRunner:
             self.input_batch.mrope_delta[row] = mrope.delta
 
     def forget(self, req_ids: list[str]) -> None:
-        """Drop the parked RNG of requests that ended while preempted: the
-        scheduler reports only requests the worker holds a row for."""
+        """Drop what the runner keeps of requests that ended while preempted (their
+        parked RNG, staged tensors): the scheduler reports only requests the
+        worker holds a row for."""
         for req_id in req_ids:
             self._parked_generators.pop(req_id, None)
+        if self.tensor_cache is not None:
+            self.tensor_cache.discard(req_ids)
 
     # -- one step --------------------------------------------------------------
+
+    @property
+    def num_payloads(self) -> int:
+        """Requests whose payload or per-token flag the runner holds (for leak checks)."""
+        return len(self._payloads.keys() | self._returns_rows)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -156,24 +203,37 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         step = self.input_batch.prepare_step(so.num_scheduled_tokens)
-        hidden = self.compute_hidden_states(step, so)
-        return self.sample(step, hidden)
-
-    def compute_hidden_states(self, step: BatchStep, so: SchedulerOutput) -> torch.Tensor:
-        """Final-norm hidden states ``[num_tokens, hidden]`` of the step's packed tokens."""
         inputs = self.prepare_model_inputs(step, so)
         metadata = build_attention_metadata(step, self.block_size)
-        return self.model.forward(
+        hidden = self.model.forward(
             inputs.input_ids, inputs.positions, metadata, self.kv_caches, inputs_embeds=inputs.inputs_embeds
         )
+        rows = self._per_token_rows(step, hidden)
+        out = self.sample(step, hidden)
+        if rows:
+            out.hidden_states = rows
+        cache = self.tensor_cache
+        if cache is not None and cache.policy.deferred_keys:
+            # Known only now (they depend on the sampled tokens): staged until the
+            # request finishes, dropped if it is aborted or preempted first.
+            deferred = self.stage_model.deferred_outputs(step, hidden, out)
+            if deferred:
+                cache.stage_deferred(step, self.input_batch, deferred)
+        return out
 
     def prepare_model_inputs(self, step: BatchStep, so: SchedulerOutput) -> StepModelInputs:
-        """Token ids and positions; for a multimodal model also runs the
-        scheduled encoders and merges the window's encoder rows.
+        """Token ids and positions; a payload-driven model builds its input
+        embeddings and positions from the requests' payloads; a multimodal
+        model also runs the scheduled encoders and merges the window's
+        encoder rows.
 
         ``inputs_embeds`` stays None when no encoder row falls in the step
         (decodes, text prompts): the forward then embeds the ids itself,
         which is the same computation without the extra copy."""
+        step_inputs = getattr(self.model, "step_inputs", None)
+        if step_inputs is not None:
+            embeds, positions = step_inputs(step, [self._payloads[r] for r in step.req_ids])
+            return StepModelInputs(step.input_ids, positions.to(self.device), embeds)
         if self.model_state is None:
             return StepModelInputs(step.input_ids, step.positions)
         state = self.model_state
@@ -209,6 +269,29 @@ class ModelRunner:
                 stop = min(start + int(n[i]), table.shape[1])
                 positions[:, qsl[i] : qsl[i] + stop - start] = table[:, start:stop]
         return torch.from_numpy(positions).to(self.device)
+
+    def _per_token_rows(self, step: BatchStep, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This step's per-token outputs of the requests that return them, on the host,
+        with the cached prefix rows merged in for a request's first step after a hit;
+        also written to the tensor prefix cache for later hits."""
+        wanted = [i for i, r in enumerate(step.req_ids) if r in self._returns_rows] if self._returns_rows else []
+        cache = self.tensor_cache
+        if cache is not None and not cache.policy.full_prefix_hidden:
+            cache = None  # it caches deferred keys only: no rows to write or merge here
+        if not wanted and cache is None:
+            return {}  # no request reads rows and none are cached: no extra work
+        n = step.num_tokens
+        states = self.stage_model.per_token_outputs(hidden[:n], step.input_ids[:n])
+        if states.device.type != "cpu":
+            # One device-to-host copy per step, shared by the cache write, the merge and
+            # the hand-off (all on the host). TODO: pinned buffer + side stream on GPUs.
+            states = states.to("cpu")
+        if cache is None:
+            parts = torch.split_with_sizes(states, step.num_scheduled_tokens.tolist())
+            return {step.req_ids[i]: parts[i] for i in wanted}
+        cache.write(step, states)
+        # Views of this step's fresh ``states`` (merged copies on hits): nothing reuses them.
+        return cache.merge(step, self.input_batch, states, wanted) if wanted else {}
 
     def sample(self, step: BatchStep, hidden: torch.Tensor) -> ModelRunnerOutput:
         """Logits at the last token of the requests that sample, then tokens."""

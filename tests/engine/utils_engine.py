@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.stage_engine import LLMEngine
 from omnistage.models.loader import LoadedModel
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams

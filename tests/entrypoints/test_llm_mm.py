@@ -123,12 +123,12 @@ def test_whole_omni_checkpoint_runs_its_thinker(omni, tmp_path):
     """``LLM`` on a Qwen2_5OmniForConditionalGeneration folder is the omni pipeline;
     its thinker gives the same answers as the thinker-only checkpoint written
     with the same seed."""
-    from omnistage.entrypoints.omni_llm import OmniLLM
+    from omnistage.engine.omni.pipeline import OmniPipeline
     from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 
     whole = LLM(str(write_tiny_qwen2_5_omni(tmp_path / "whole")), block_size=4)
-    assert isinstance(whole, OmniLLM)
-    thinker = whole.pipeline.thinker.engine
+    assert isinstance(whole.llm_engine, OmniPipeline)
+    thinker = whole.llm_engine.stages["thinker"]
     assert thinker.loaded_model.hf_config.model_type == "qwen2_5_omni"
     assert thinker.input_modalities == {"text", "image", "video", "audio"}
     msgs = [{"role": "user", "content": [{"type": "image", "image": _image(2)}, {"type": "text", "text": "hi"}]}]

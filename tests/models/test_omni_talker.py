@@ -231,18 +231,18 @@ def test_talker_defaults_match_transformers_generate() -> None:
     """Drift check: omnistage's talker defaults are generate()'s."""
     import inspect
 
-    from omnistage.engine.omni import talker_sampling_defaults
+    from omnistage.engine.omni import TalkerParams
 
     signature = inspect.signature(transformers.Qwen2_5OmniForConditionalGeneration.generate).parameters
     config = transformers.Qwen2_5OmniTalkerConfig()  # the published ids
-    ours = talker_sampling_defaults(config)
-    assert ours["temperature"] == signature["talker_temperature"].default
-    assert ours["top_k"] == signature["talker_top_k"].default
-    assert ours["top_p"] == signature["talker_top_p"].default
-    assert ours["repetition_penalty"] == signature["talker_repetition_penalty"].default
-    assert ours["max_tokens"] == signature["talker_max_new_tokens"].default
-    assert sorted(ours["stop_token_ids"]) == sorted(signature["talker_eos_token_id"].default)
-    assert ours["suppress_token_ids"] == [config.tts_codec_start_token_id]
+    ours = TalkerParams.defaults(config)  # (talker_sampling_defaults() before the stage-engine rewrite)
+    assert ours.temperature == signature["talker_temperature"].default
+    assert ours.top_k == signature["talker_top_k"].default
+    assert ours.top_p == signature["talker_top_p"].default
+    assert ours.repetition_penalty == signature["talker_repetition_penalty"].default
+    assert ours.max_tokens == signature["talker_max_new_tokens"].default
+    assert sorted(ours.stop_token_ids) == sorted(signature["talker_eos_token_id"].default)
+    assert list(ours.suppress_token_ids) == [config.tts_codec_start_token_id]
     assert signature["speaker"].default == "Chelsie"
 
 

@@ -1,177 +1,447 @@
-"""thinker -> talker -> token2wav: requests move on as soon as a stage is done with them."""
+"""An omni pipeline: stage engines stepped in turn, requests handed on as soon as a stage is done.
+
+Qwen2.5-Omni runs three stages, each a ``StageEngine`` configured by a
+``StageSpec`` (``build_omni_pipeline``):
+
+- **thinker**: the multimodal thinker on the paged, prefix-cached scheduler;
+  a request that asks for audio returns its per-token rows (final hidden +
+  input embedding), which the tensor prefix cache keeps whole on prefix hits;
+- **talker**: codec tokens from those rows, on a paged scheduler of its own,
+  prefix caching off (its token ids do not identify what the tokens hold);
+  its input is a ``TalkerRequest`` and its sampling the ``TalkerParams``;
+- **token2wav**: one-shot, codes to a waveform per request.
+
+The hand-offs between them are the plain records of ``stage_io``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
-from omnistage.engine.llm_engine import PromptType
-from omnistage.engine.omni.stage_io import TalkerRequest, resolve_speaker
-from omnistage.engine.omni.talker_stage import TalkerParams, TalkerStage
-from omnistage.engine.omni.thinker_stage import ThinkerResult, ThinkerStage
-from omnistage.engine.omni.token2wav_stage import Token2WavStage
+from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.input_processor import ProcessedInputs, PromptType
+from omnistage.engine.stage import StageHeld, StageSpec
+from omnistage.engine.stage_engine import EngineStats, StageEngine
+from omnistage.engine.omni.stage_io import (
+    TalkerParams,
+    TalkerRequest,
+    ThinkerOutputForTalker,
+    Token2WavRequest,
+    resolve_speaker,
+)
+from omnistage.models.loader import LoadedModel
+from omnistage.models.qwen2_5_omni import OmniModel
+from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker
+from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
+from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["OmniPipeline"]
+__all__ = ["OmniOptions", "OmniPipeline", "build_omni_pipeline"]
+
+TALKER_KV_CACHE_BYTES = 256 * 1024**2  # the talker's KV pool when no block count is given
+
+
+@dataclass(frozen=True)
+class OmniOptions:
+    """What an omni checkpoint adds to the engine arguments.
+
+    - ``talker_params``: overrides of the talker's sampling (``TalkerParams``:
+      transformers' defaults; ``{"temperature": 0.0}`` is greedy);
+    - ``talker_match_transformers_unpadded``: reproduce transformers 5.24's
+      single-request talker path (see ``Qwen2_5OmniTalker``);
+    - ``enable_tensor_prefix_cache``: keep the thinker's per-token rows beside
+      its KV blocks, so that prefix hits still give the talker every row. Off
+      with prefix caching on makes a hit raise at the hand-off;
+    - ``talker_max_num_seqs``, ``talker_num_kv_blocks``, ``talker_max_model_len``:
+      the talker stage's limits (default: the thinker's batch size, a 256 MiB
+      pool, the thinker's length + 2 + the talker's ``max_tokens``);
+    - ``token2wav_requests_per_step``: waveforms decoded per pipeline step.
+    """
+
+    talker_params: dict[str, Any] | None = None
+    talker_match_transformers_unpadded: bool = False
+    enable_tensor_prefix_cache: bool = True
+    talker_max_num_seqs: int | None = None
+    talker_num_kv_blocks: int | None = None
+    talker_max_model_len: int | None = None
+    token2wav_requests_per_step: int = 1
+
+    @classmethod
+    def split(cls, kwargs: dict[str, Any]) -> tuple[OmniOptions, dict[str, Any]]:
+        """``(options, the rest)`` of keyword arguments given to ``LLM``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        mine = {k: v for k, v in kwargs.items() if k in names}
+        return cls(**mine), {k: v for k, v in kwargs.items() if k not in names}
+
+
+class TalkerInputs:
+    """The talker stage's input processor: a ``TalkerRequest`` becomes the talker's
+    codec prompt ids, with its prefill rows, reply rows and positions
+    (``TalkerPrompt``, built once here) as the request's payload."""
+
+    def __init__(self, prep: Qwen2_5OmniTalker) -> None:
+        self.prep = prep
+
+    def process(self, request_id: str, request: TalkerRequest) -> ProcessedInputs:
+        prompt = self.prep.prepare(request.handoff, request.speaker_bos_token_id)
+        return ProcessedInputs(None, list(prompt.prompt_codec_ids), payload=prompt)
+
+
+class Token2WavInputs:
+    """The vocoder stage's input processor: the codes ride along as the payload."""
+
+    def __init__(self, speakers: dict[str, Any]) -> None:
+        self.speakers = speakers
+
+    def process(self, request_id: str, request: Token2WavRequest) -> ProcessedInputs:
+        if request.speaker not in self.speakers:
+            raise ValueError(f"token2wav request {request_id!r}: unknown speaker {request.speaker!r}")
+        return ProcessedInputs(None, list(request.codes), payload=request)
+
+
+class Token2WavModel:
+    """Qwen2.5-Omni's token2wav as a one-shot stage model: ``{"audio": 1-D float32}``.
+
+    Each request's initial noise comes from its own seed, so its audio does
+    not depend on what ran before it."""
+
+    def __init__(self, token2wav: Qwen2_5OmniToken2Wav) -> None:
+        self.token2wav = token2wav
+
+    def __call__(self, request: Token2WavRequest) -> dict[str, np.ndarray]:
+        return {"audio": self.token2wav(request.codes, request.speaker, seed=request.seed)}
+
+
+def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions | None = None) -> OmniPipeline:
+    """The three stages of a loaded Qwen2.5-Omni checkpoint (only the thinker's
+    without a talker), sharing its weights; each owns its KV cache."""
+    options = options or OmniOptions()
+    thinker = StageEngine(
+        args, omni.thinker, StageSpec("thinker", enable_tensor_cache=options.enable_tensor_prefix_cache)
+    )
+    if not omni.has_audio_output:
+        return OmniPipeline(thinker, None, None, omni.speakers, None, seed=args.seed)
+    config = omni.talker_module.config
+    defaults = TalkerParams.defaults(config, **(options.talker_params or {}))
+    max_len = options.talker_max_model_len or min(
+        int(config.max_position_embeddings), thinker.max_model_len + 2 + defaults.max_tokens
+    )
+    talker_args = dataclasses.replace(
+        args,
+        num_kv_blocks=options.talker_num_kv_blocks,
+        kv_cache_memory_bytes=TALKER_KV_CACHE_BYTES,
+        max_num_seqs=options.talker_max_num_seqs or args.max_num_seqs,
+        max_model_len=max_len,
+    )
+    talker_model = LoadedModel(
+        model=omni.paged_talker,  # type: ignore[arg-type]
+        tokenizer=None,  # codec ids are not text
+        hf_config=config,
+        eos_token_ids=[],  # the stops come from TalkerParams
+        max_model_len=int(config.max_position_embeddings),
+        model_path=omni.thinker.model_path,
+        name=f"{omni.thinker.name}:talker",
+    )
+    prep = Qwen2_5OmniTalker(omni.talker_module, omni.talker_text_rows, options.talker_match_transformers_unpadded)
+    talker = StageEngine(
+        talker_args, talker_model, StageSpec("talker", input_processor=TalkerInputs(prep), enable_prefix_caching=False)
+    )
+    vocoder_model = dataclasses.replace(talker_model, model=Token2WavModel(omni.token2wav), name=f"{omni.thinker.name}:token2wav")  # type: ignore[arg-type]
+    vocoder = StageEngine(
+        args,
+        vocoder_model,
+        StageSpec(
+            "token2wav",
+            kind="one_shot",
+            input_processor=Token2WavInputs(omni.speakers),
+            max_requests_per_step=options.token2wav_requests_per_step,
+        ),
+    )
+    sample_rate = int(omni.token2wav.sample_rate)  # type: ignore[union-attr]
+    return OmniPipeline(thinker, talker, vocoder, omni.speakers, defaults, seed=args.seed, sample_rate=sample_rate)
 
 
 @dataclass
 class _Pending:
-    """A request between the thinker's answer and its audio."""
+    """A request on its way through the stages."""
 
     speaker: str
     speaker_bos_token_id: int
     seed: int
     talker_params: TalkerParams | None  # None: no audio asked
+    grids: dict[str, torch.Tensor | None]  # the prompt's grids, for the talker's positions
     output: RequestOutput | None = None  # the thinker's, once finished
     codes: list[int] | None = None  # the talker's, once finished
 
 
 class OmniPipeline:
-    """Three stages, each batching on its own, stepped in turn by ``step()``.
+    """Stage engines, each batching on its own, stepped in turn by ``step()``.
 
-    A request that the thinker finishes this step enters the talker in the same
-    step, and likewise from the talker to token2wav. Stages exchange plain CPU
-    records and never call one another. ``step()`` returns the requests that
-    are complete: a ``RequestOutput`` with the thinker's text, plus ``audio``
-    (1-D float32) and ``sample_rate`` when audio was asked for.
+    It has a stage engine's interface (``add_request``, ``abort_request``,
+    ``step``, ``has_unfinished_requests``, ``get_stats``), so ``LLM`` and the
+    server drive it as they drive one stage; ``add_request`` adds the audio
+    options.
+
+    A request that the thinker finishes this step enters the talker in the
+    same step, and likewise from the talker to token2wav. ``step()`` returns
+    cumulative outputs as a stage engine does: the thinker's text while it
+    is generated, and, for a request that asked for audio, the text again
+    reported unfinished (no finish reason) until its audio is done; then the
+    complete output once, with ``audio`` (1-D float32) and ``sample_rate``.
 
     Seeds: a request's seed is ``SamplingParams.seed``, or the pipeline's
-    ``seed`` when that is None. It drives the talker's sampling and token2wav's
-    initial noise, which is then the noise transformers draws right after
-    ``torch.manual_seed(seed)``.
-
-    Streaming: after ``step()``, ``progress`` holds the thinker's cumulative
-    outputs from that step for requests the pipeline still holds: those still
-    generating text, and those whose text is done (``finished`` is the
-    thinker's) while their audio is not. ``step()`` itself returns only
-    complete requests.
+    ``seed`` when that is None. It drives the talker's sampling and
+    token2wav's initial noise, which is then the noise transformers draws
+    right after ``torch.manual_seed(seed)``.
     """
 
     def __init__(
         self,
-        thinker: ThinkerStage,
-        talker: TalkerStage | None,
-        token2wav: Token2WavStage | None,
+        thinker: StageEngine,
+        talker: StageEngine | None,
+        token2wav: StageEngine | None,
         speakers: dict[str, dict],
         default_talker_params: TalkerParams | None,
         seed: int = 0,
+        sample_rate: int = 24000,
     ) -> None:
+        self.stages: dict[str, StageEngine] = {"thinker": thinker}
+        if talker is not None and token2wav is not None:
+            self.stages.update(talker=talker, token2wav=token2wav)
         self.thinker = thinker
-        self.talker = talker
-        self.token2wav = token2wav
         self.speakers = speakers
         self.default_talker_params = default_talker_params
         self.seed = seed
+        self.sample_rate = sample_rate
         self._pending: dict[str, _Pending] = {}
-        self.progress: list[RequestOutput] = []
+
+    # -- what the serving code reads, as of a stage engine --------------------------
 
     @property
     def has_audio_output(self) -> bool:
-        return self.talker is not None and self.token2wav is not None
+        return "talker" in self.stages
+
+    @property
+    def output_modalities(self) -> frozenset[str]:
+        return frozenset({"text", "audio"} if self.has_audio_output else {"text"})
+
+    @property
+    def voices(self) -> tuple[str, ...]:
+        return tuple(sorted(self.speakers)) if self.has_audio_output else ()
+
+    # The thinker answers everything about prompts and text.
+    @property
+    def tokenizer(self) -> Any:
+        return self.thinker.tokenizer
+
+    @property
+    def loaded_model(self) -> Any:
+        return self.thinker.loaded_model
+
+    @property
+    def args(self) -> EngineArgs:
+        return self.thinker.args
+
+    @property
+    def max_model_len(self) -> int:
+        return self.thinker.max_model_len
+
+    @property
+    def input_modalities(self) -> frozenset[str]:
+        return self.thinker.input_modalities
+
+    def process_inputs(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
+        return self.thinker.process_inputs(request_id, prompt)
+
+    def encode_chat(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.thinker.encode_chat(messages, *args, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> str:
+        return self.thinker.apply_chat_template(messages, *args, **kwargs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._pending)
+
+    def get_stats(self) -> EngineStats:
+        """The thinker's: the stage clients wait on, and the one whose KV blocks prompts occupy."""
+        return self.thinker.get_stats()
+
+    def held(self) -> dict[str, StageHeld]:
+        """What each stage still holds, plus the requests the pipeline tracks."""
+        held = {name: stage.held() for name, stage in self.stages.items()}
+        held["pipeline"] = StageHeld(requests=len(self._pending))
+        return held
+
+    # -- requests ----------------------------------------------------------------
 
     def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        return_audio: bool = True,
+        prompt: PromptType | ProcessedInputs,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        *,
+        return_audio: bool | None = None,
         speaker: str | None = None,
-        talker_params: TalkerParams | None = None,
+        talker_params: TalkerParams | dict[str, Any] | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError, queuing nothing, when it cannot run."""
-        params = SamplingParams() if params is None else params
+        """Queue a request; raises ValueError, queuing nothing, when it cannot run.
+
+        ``return_audio=None`` speaks when the checkpoint can; ``speaker=None``
+        is the checkpoint's default voice; ``talker_params`` override the
+        talker's sampling for this request."""
+        params = SamplingParams() if sampling_params is None else sampling_params
         if request_id in self._pending:
             raise ValueError(f"request {request_id!r}: a request with this id is already running")
+        if return_audio is None:
+            return_audio = self.has_audio_output
         if return_audio and not self.has_audio_output:
             raise ValueError("this checkpoint has no talker and token2wav, so it cannot return audio")
-        name, bos = "", -1
+        name, bos, chosen = "", -1, None
         if return_audio:
             name = resolve_speaker(speaker, self.speakers)
             bos = int(self.speakers[name]["bos_token"])
-        self.thinker.add_request(request_id, prompt, params, feeds_talker=return_audio)
+            chosen = self._talker_params(talker_params)
+        inputs = self.thinker.process_inputs(request_id, prompt)
+        self.thinker.add_request(request_id, inputs, params, arrival_time, return_hidden_states=return_audio)
         seed = self.seed if params.seed is None else params.seed
-        chosen = (talker_params or self.default_talker_params) if return_audio else None
-        self._pending[request_id] = _Pending(name, bos, seed, chosen)
+        self._pending[request_id] = _Pending(name, bos, seed, chosen, _grid_fields(inputs.mm_features))
+
+    def _talker_params(self, overrides: TalkerParams | dict[str, Any] | None) -> TalkerParams:
+        assert self.default_talker_params is not None
+        if isinstance(overrides, TalkerParams):
+            return overrides
+        return self.default_talker_params.replace(**overrides) if overrides else self.default_talker_params
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop requests wherever they are; their blocks, rows and queued work are freed."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.thinker.abort_request(ids)
-        if self.talker is not None:
-            self.talker.abort_request(ids)
-        if self.token2wav is not None:
-            self.token2wav.abort_request(ids)
+        for stage in self.stages.values():
+            stage.abort_request(ids)
         for rid in ids:
             self._pending.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or any(
-            s.has_unfinished_requests() for s in (self.thinker, self.talker, self.token2wav) if s is not None
-        )
+        return bool(self._pending) or any(s.has_unfinished_requests() for s in self.stages.values())
 
-    def held(self) -> dict[str, int]:
-        """Per-stage counts of what requests still hold (KV blocks, batch rows,
-        collected or staged tensors, encoder references, queued work); every
-        count is zero once all requests finished or were aborted and the stages
-        stepped once more to drop their batch rows."""
-        counts = {"pipeline_requests": len(self._pending)}
-        for stage in (self.thinker, self.talker, self.token2wav):
-            if stage is not None:
-                counts.update(stage.held())
-        return counts
+    # -- the loop ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        progress: list[RequestOutput] = []
         done: list[RequestOutput] = []
-        thinker_outs: list[RequestOutput] = []
-        if self.thinker.has_unfinished_requests():
-            results = self.thinker.step()
-            thinker_outs = [*self.thinker.progress, *(r.output for r in results)]
-            for result in results:
-                self._thinker_finished(result, done)
-        if self.talker is not None and self.talker.has_unfinished_requests():
-            assert self.token2wav is not None
-            for request in self.talker.step():
-                pending = self._pending.get(request.request_id)
-                if pending is not None:
-                    pending.codes = request.codes
-                    self.token2wav.add_request(request)
-        if self.token2wav is not None and self.token2wav.has_unfinished_requests():
-            for audio in self.token2wav.step():
-                self._finish(audio.request_id, audio.audio, audio.sample_rate, done)
+        for name, stage in self.stages.items():
+            if not stage.has_unfinished_requests():
+                continue
+            for out in stage.step():
+                pending = self._pending.get(out.request_id)
+                if pending is None:
+                    continue  # aborted meanwhile
+                if name == "thinker":
+                    if out.finished:
+                        self._thinker_finished(out, pending, done)
+                    if out.request_id in self._pending:  # text still streaming, or audio to come
+                        progress.append(out if not out.finished else _still_running(out))
+                elif out.finished and name == "talker":
+                    self._talker_finished(out, pending)
+                elif out.finished:
+                    self._finish(out.request_id, out.multimodal_output["audio"], done)
         # Filtered last: requests aborted or completed during this step are not in progress.
-        self.progress = [out for out in thinker_outs if out.request_id in self._pending]
-        return done
+        return [out for out in progress if out.request_id in self._pending] + done
 
-    def _thinker_finished(self, result: ThinkerResult, done: list[RequestOutput]) -> None:
-        rid = result.output.request_id
-        pending = self._pending.get(rid)
-        if pending is None:
-            return  # aborted meanwhile
-        pending.output = result.output
+    def _thinker_finished(self, out: RequestOutput, pending: _Pending, done: list[RequestOutput]) -> None:
+        rid = out.request_id
+        states = out.multimodal_output.pop("hidden_states", None)
+        pending.output = out
         if pending.talker_params is None:
-            self._pending.pop(rid)
-            done.append(result.output)
-        elif result.handoff is None:  # fewer than 2 thinker tokens: nothing to speak
-            rate = self.token2wav.sample_rate  # type: ignore[union-attr]
-            self._finish(rid, np.zeros(0, dtype=np.float32), rate, done)
-        else:
-            request = TalkerRequest(
-                result.handoff, pending.speaker, pending.speaker_bos_token_id, pending.seed,
-                max_codes=pending.talker_params.max_tokens,
-            )  # fmt: skip
-            self.talker.add_request(request, pending.talker_params)  # type: ignore[union-attr]
-
-    def _finish(self, rid: str, audio: np.ndarray, sample_rate: int, done: list[RequestOutput]) -> None:
-        pending = self._pending.pop(rid, None)
-        if pending is None or pending.output is None:
+            del self._pending[rid]
+            done.append(out)
             return
+        prompt_ids, output_ids = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        if len(output_ids) < 2:  # the talker has nothing to condition on
+            self._finish(rid, np.zeros(0, dtype=np.float32), done)
+            return
+        expected = len(prompt_ids) + len(output_ids) - 1
+        got = 0 if states is None else states.shape[0]
+        if got != expected:
+            # A prefix hit without its cached rows (or a lost step) would give the
+            # talker a truncated conditioning: never hand that on silently.
+            cache_on = self.thinker.runner.tensor_cache is not None  # type: ignore[union-attr]
+            raise RuntimeError(
+                f"thinker request {rid!r}: collected {got} per-token rows for the talker, expected "
+                f"{expected} (prompt {len(prompt_ids)} + generated {len(output_ids)} - 1); "
+                f"tensor prefix cache {'on' if cache_on else 'off'}"
+            )
+        handoff = ThinkerOutputForTalker(rid, prompt_ids, output_ids, states, **pending.grids)
+        talker = self.stages["talker"]
+        inputs = talker.process_inputs(rid, TalkerRequest(handoff, pending.speaker, pending.speaker_bos_token_id, pending.seed))
+        tp = pending.talker_params
+        room = talker.max_model_len - len(inputs.prompt_token_ids)
+        if room < 1:
+            raise ValueError(
+                f"talker request {rid!r}: its prompt of {len(inputs.prompt_token_ids)} rows leaves no room in the "
+                f"talker's max_model_len={talker.max_model_len}"
+            )
+        sampling = SamplingParams(
+            temperature=tp.temperature,
+            top_k=tp.top_k,
+            top_p=tp.top_p,
+            max_tokens=min(tp.max_tokens, room),
+            stop_token_ids=list(tp.stop_token_ids),
+            repetition_penalty=tp.repetition_penalty,
+            suppress_token_ids=list(tp.suppress_token_ids),
+            seed=pending.seed,
+        )
+        talker.add_request(rid, inputs, sampling)
+
+    def _talker_finished(self, out: RequestOutput, pending: _Pending) -> None:
+        completion = out.outputs[0]
+        codes = list(completion.token_ids)
+        stops = pending.talker_params.stop_token_ids if pending.talker_params else ()
+        if completion.finish_reason == "stop" and codes and codes[-1] in stops:
+            codes.pop()  # the stop code is not audio
+        pending.codes = codes
+        request = Token2WavRequest(out.request_id, codes, pending.speaker, pending.seed)
+        self.stages["token2wav"].add_request(out.request_id, request)
+
+    def _finish(self, rid: str, audio: np.ndarray, done: list[RequestOutput]) -> None:
+        pending = self._pending.pop(rid)
         out = pending.output
-        out.audio, out.sample_rate = audio, int(sample_rate)
+        assert out is not None
+        if audio.dtype != np.float32 or audio.ndim != 1:
+            raise RuntimeError(f"request {rid!r}: token2wav gave {audio.dtype} {audio.shape}, expected 1-D float32")
+        out.audio, out.sample_rate = audio, self.sample_rate
         out.extra["codec_token_ids"] = list(pending.codes or [])
         out.extra["audio_time"] = time.monotonic()  # vs. out.metrics.arrival_time: time to audio
         done.append(out)
+
+
+def _still_running(out: RequestOutput) -> RequestOutput:
+    """A thinker output as progress of a request the pipeline has not completed.
+
+    It is copied, not edited, because the pipeline later completes that same
+    object with the audio."""
+    outputs = [dataclasses.replace(c, finish_reason=None, stop_reason=None) for c in out.outputs]
+    return dataclasses.replace(out, finished=False, outputs=outputs)
+
+
+def _grid_fields(features: list[MultiModalFeatureSpec]) -> dict[str, torch.Tensor | None]:
+    """``ThinkerOutputForTalker``'s grid fields, gathered as the thinker adapter does for its positions."""
+
+    def gather(modality: str, key: str) -> torch.Tensor | None:
+        values = [f.data[key] for f in features if f.modality == modality and f.data is not None]
+        return torch.cat(values) if values else None
+
+    return {
+        "image_grid_thw": gather("image", "image_grid_thw"),
+        "video_grid_thw": gather("video", "video_grid_thw"),
+        "audio_seqlens": gather("audio", "audio_feature_lengths"),
+        "second_per_grids": gather("video", "second_per_grid_ts"),
+    }

@@ -1,33 +1,31 @@
-"""Plain per-request data handed between omni stages, and what a stage offers.
+"""Plain per-request records handed between omni stages, and the talker's sampling.
 
 Stages never call each other: the pipeline steps each stage, takes the
-requests that stage finished, and adds them, as the dataclasses below, to the
+requests that stage finished, and adds them, as the records below, to the
 next stage. Tensors in these records are on CPU and owned by the record (no
-views into a stage's batch buffers), so a stage may run on another device,
-thread or process.
+views into a stage's batch buffers), so a stage may later run on another
+device, thread or process.
 
     thinker --ThinkerOutputForTalker--> talker --Token2WavRequest--> token2wav
-            (wrapped in TalkerRequest)                    --AudioOutput-->
+            (wrapped in TalkerRequest)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
-
-import numpy as np
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from omnistage.models.qwen2_5_omni_talker import ThinkerOutputForTalker
 
 __all__ = [
     "DEFAULT_SPEAKER",
-    "AudioOutput",
-    "Stage",
+    "TalkerParams",
     "TalkerRequest",
     "Token2WavRequest",
+    "ThinkerOutputForTalker",
     "resolve_speaker",
-    "talker_sampling_defaults",
 ]
 
 DEFAULT_SPEAKER = "Chelsie"  # transformers' generate() default for Qwen2.5-Omni
@@ -39,14 +37,13 @@ class TalkerRequest:
 
     ``seed`` seeds the talker's sampling and, passed on, token2wav's noise;
     the pipeline sets it from ``SamplingParams.seed`` or, when that is None,
-    from its own generator, so every request has one.
+    from its own seed, so every request has one.
     """
 
     handoff: ThinkerOutputForTalker
     speaker: str
     speaker_bos_token_id: int
     seed: int
-    max_codes: int = 4096  # generate()'s talker_max_new_tokens
 
     @property
     def request_id(self) -> str:
@@ -55,7 +52,7 @@ class TalkerRequest:
 
 @dataclass
 class Token2WavRequest:
-    """Talker -> token2wav: the codec tokens of a request, EOS excluded."""
+    """Talker -> token2wav: the codec tokens of a request, its stop code excluded."""
 
     request_id: str
     codes: list[int]
@@ -63,40 +60,46 @@ class Token2WavRequest:
     seed: int
 
 
-@dataclass
-class AudioOutput:
-    """Token2wav -> the pipeline's output: a 1-D float32 waveform."""
+@dataclass(frozen=True)
+class TalkerParams:
+    """How the talker picks codes; the defaults are transformers' ``generate()`` defaults.
 
-    request_id: str
-    audio: np.ndarray
-    sample_rate: int
+    ``temperature=0`` is greedy (``talker_do_sample=False``).
+    ``repetition_penalty`` counts the talker prompt's codec ids (mask, pad,
+    bos) as seen; ``suppress_token_ids`` are never sampled.
+    """
 
-    def __post_init__(self) -> None:
-        if self.audio.dtype != np.float32 or self.audio.ndim != 1:
-            raise ValueError(
-                f"request {self.request_id}: audio must be 1-D float32, got {self.audio.dtype} {self.audio.shape}"
-            )
+    temperature: float = 0.9
+    top_k: int = 40
+    top_p: float = 0.8
+    repetition_penalty: float = 1.05
+    max_tokens: int = 4096  # generate()'s talker_max_new_tokens
+    stop_token_ids: tuple[int, ...] = ()
+    suppress_token_ids: tuple[int, ...] = ()
 
+    @classmethod
+    def defaults(cls, talker_config: Any, **overrides: Any) -> TalkerParams:
+        """transformers' defaults for this talker (its stop and start codes), then ``overrides``."""
+        base = cls(
+            stop_token_ids=(int(talker_config.tts_codec_pad_token_id), int(talker_config.tts_codec_end_token_id)),
+            suppress_token_ids=(int(talker_config.tts_codec_start_token_id),),
+        )
+        return base.replace(**overrides)
 
-InT = TypeVar("InT", contravariant=True)
-OutT = TypeVar("OutT", covariant=True)
-
-
-class Stage(Protocol[InT, OutT]):
-    """One pipeline stage: its own scheduler and runner, batching whatever
-    requests it holds each step (continuous batching per stage)."""
-
-    def add_request(self, request: InT) -> None:
-        """Queue a request; raises ValueError naming it when unusable."""
-
-    def abort_request(self, request_ids: Iterable[str]) -> None:
-        """Drop requests wherever they are (unknown ids are ignored); their
-        blocks, cached rows and staged tensors are released."""
-
-    def step(self) -> list[OutT]:
-        """Run one step; return the requests that finished in it."""
-
-    def has_unfinished_requests(self) -> bool: ...
+    def replace(self, **overrides: Any) -> TalkerParams:
+        """These parameters with some fields replaced; unknown names and a
+        non-positive repetition penalty are refused."""
+        names = {f.name for f in fields(self)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ValueError(f"unknown talker parameters {sorted(unknown)}; expected some of {sorted(names)}")
+        for key in ("stop_token_ids", "suppress_token_ids"):
+            if key in overrides:
+                overrides[key] = tuple(overrides[key])
+        params = dataclasses.replace(self, **overrides)
+        if params.repetition_penalty <= 0:
+            raise ValueError(f"talker repetition_penalty must be > 0, got {params.repetition_penalty}")
+        return params
 
 
 def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any]) -> str:
@@ -109,18 +112,3 @@ def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any]) -> str:
     if speaker not in speakers:
         raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(speakers)}")
     return speaker
-
-
-def talker_sampling_defaults(talker_config: Any) -> dict[str, Any]:
-    """transformers' ``generate()`` defaults for the talker, in omnistage's
-    terms. ``repetition_penalty`` counts the talker prompt's codec ids (mask,
-    pad, bos) as seen; ``suppress_token_ids`` get ``-inf`` logits."""
-    return {
-        "temperature": 0.9,
-        "top_k": 40,
-        "top_p": 0.8,
-        "repetition_penalty": 1.05,
-        "max_tokens": 4096,
-        "stop_token_ids": [int(talker_config.tts_codec_pad_token_id), int(talker_config.tts_codec_end_token_id)],
-        "suppress_token_ids": [int(talker_config.tts_codec_start_token_id)],
-    }

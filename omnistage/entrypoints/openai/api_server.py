@@ -90,19 +90,15 @@ async def read_json_body(request: Request, limit: int) -> Any:
 
 
 def _default_engine_factory(engine_args: Any, options: ServerOptions) -> Callable[[], Any]:
-    """An ``LLMEngine``, or for a whole omni checkpoint (thinker, talker,
-    token2wav) an ``OmniEngine`` that can also speak its answers."""
+    """The engine of the checkpoint (``build_engine``): one stage, or for a whole
+    omni checkpoint (thinker, talker, token2wav) a pipeline that can also speak."""
 
     def make() -> Any:
-        from omnistage.models.qwen2_5_omni import is_omni_checkpoint
+        from omnistage.engine.factory import build_engine
+        from omnistage.engine.omni.pipeline import OmniOptions
 
-        if is_omni_checkpoint(getattr(engine_args, "model", None)):
-            from omnistage.entrypoints.openai.omni_engine import OmniEngine
-
-            return OmniEngine.from_engine_args(engine_args, options.talker_params)
-        from omnistage.engine.llm_engine import LLMEngine
-
-        return LLMEngine(engine_args)
+        omni = OmniOptions(talker_params=options.talker_params) if options.talker_params else None
+        return build_engine(engine_args, omni)
 
     return make
 

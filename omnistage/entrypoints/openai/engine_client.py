@@ -58,6 +58,7 @@ class _Add:
     request_id: str
     prompt: Any
     params: Any
+    options: dict[str, Any]  # an omni engine's audio options (return_audio, speaker)
     stream: RequestStream
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
@@ -150,10 +151,12 @@ class EngineClient:
             raise EngineDeadError(f"the engine is not running ({self._dead!r})")
         self._commands.put(cmd)
 
-    async def add_request(self, request_id: str, prompt: Any, params: Any) -> RequestStream:
-        """Queue a request; returns once the engine accepted it (ValueError if it did not)."""
+    async def add_request(self, request_id: str, prompt: Any, params: Any, **options: Any) -> RequestStream:
+        """Queue a request; returns once the engine accepted it (ValueError if it did not).
+        ``options`` go to the engine's ``add_request`` as they are (an omni
+        engine's ``return_audio``, ``speaker``)."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
-        cmd = _Add(request_id, prompt, params, stream)
+        cmd = _Add(request_id, prompt, params, options, stream)
         self._submit(cmd)
         try:
             await asyncio.wrap_future(cmd.done)
@@ -270,7 +273,7 @@ class EngineClient:
         engine = self.engine
         if isinstance(cmd, _Add):
             try:
-                engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **cmd.options)
             except Exception as exc:  # noqa: BLE001 - a bad request fails alone; the loop keeps serving
                 cmd.done.set_exception(exc)
                 return
@@ -309,11 +312,14 @@ class EngineClient:
 
 
 def _held_kv_blocks(engine: Any) -> int:
-    """KV blocks requests hold: the engine's own count when it has stages of its own, else its stats'."""
-    count = getattr(engine, "num_held_kv_blocks", None)
-    if callable(count):
-        return int(count())
-    return int(getattr(engine.get_stats(), "kv_blocks_used", 0) or 0)
+    """KV blocks requests hold, in every stage of the engine (its stats' count for an
+    engine that does not report what it holds)."""
+    held_of = getattr(engine, "held", None)
+    if held_of is None:
+        return int(getattr(engine.get_stats(), "kv_blocks_used", 0) or 0)
+    held = held_of()
+    stages = held.values() if isinstance(held, dict) else [held]
+    return sum(s.kv_blocks for s in stages)
 
 
 def _deliver_on_loop(items: list[tuple[RequestStream, Any]]) -> None:

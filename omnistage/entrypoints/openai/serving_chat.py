@@ -29,7 +29,6 @@ from starlette.responses import JSONResponse
 from omnistage.entrypoints.openai.engine_client import EngineDeadError, EngineError, RequestStream
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import decode_audio, load_image
-from omnistage.entrypoints.openai.omni_engine import OmniRequestParams
 from omnistage.entrypoints.openai.protocol import (
     AudioPart,
     ChatAudio,
@@ -89,14 +88,14 @@ class ChatServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         # max_completion_tokens is the newer name; it wins when both are given.
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params: Any = build_sampling_params(req, max_tokens, logprobs)
-        if "audio" in (req.modalities or ()):
-            params = OmniRequestParams(params, return_audio=True, voice=req.audio.voice if req.audio else None)
+        params = build_sampling_params(req, max_tokens, logprobs)
+        speak = "audio" in (req.modalities or ())
+        voice = req.audio.voice if speak and req.audio else None
         prompt = await self._render(messages, req)
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
         request_id = new_id("chatcmpl")
-        stream = await add_to_engine(ctx, request_id, prompt, params, "messages")
+        stream = await add_to_engine(ctx, request_id, prompt, params, "messages", voice=voice, speak=speak)
         if req.stream:
             return SSEResponse(self._stream(req, model, request_id, stream, clock))
         disconnected, final = await until_disconnect(raw_request, self._collect(request_id, stream, clock))

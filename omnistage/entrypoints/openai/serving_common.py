@@ -122,9 +122,22 @@ def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:
     return bad_request(msg, param=param, code=code)
 
 
-async def add_to_engine(ctx: ServingContext, request_id: str, prompt: Any, params: SamplingParams, prompt_param: str) -> RequestStream:
+async def add_to_engine(
+    ctx: ServingContext,
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams,
+    prompt_param: str,
+    voice: str | None = None,
+    speak: bool = False,
+) -> RequestStream:
+    """Queue a request; ``speak`` asks an engine that can speak for audio in ``voice``
+    (None: the model's default). An engine that speaks is told when not to."""
+    options: dict[str, Any] = {}
+    if "audio" in ctx.output_modalities:
+        options = {"return_audio": speak, "speaker": voice} if speak else {"return_audio": False}
     try:
-        return await ctx.client.add_request(request_id, prompt, params)
+        return await ctx.client.add_request(request_id, prompt, params, **options)
     except ValueError as exc:
         raise engine_rejection(exc, prompt_param) from None
     except EngineDeadError as exc:

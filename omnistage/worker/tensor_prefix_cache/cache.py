@@ -183,6 +183,11 @@ class OmniTensorPrefixCache:
 
     # ---- deferred writes -----------------------------------------------------------
 
+    @property
+    def num_staged_requests(self) -> int:
+        """Requests with deferred outputs staged and not yet committed or discarded."""
+        return len(self._deferred_mm_outputs)
+
     def stage_deferred_mm_outputs(
         self,
         query_start_loc: Any,

@@ -62,7 +62,7 @@ class StepTensorCache:
 
     @property
     def num_staged_requests(self) -> int:
-        return len(self.cache._deferred_mm_outputs)
+        return self.cache.num_staged_requests
 
     # ---- around the runner's batch update ----------------------------------------
 

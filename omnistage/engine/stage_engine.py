@@ -1,6 +1,11 @@
-"""The synchronous engine: requests in, one scheduled step at a time, outputs out.
+"""The stage engine: requests in, one scheduled step at a time, outputs out.
 
-``LLMEngine`` is thread-confined: ``add_request``, ``abort_request`` and
+Every stage runs on it: a text or vision-language model is one stage, an
+omni pipeline's thinker, talker and vocoder are three (``engine.omni``), each
+configured by a ``StageSpec``. The step loop is the same for all of them:
+schedule, run the model, update the requests, turn them into outputs.
+
+``StageEngine`` is thread-confined: ``add_request``, ``abort_request`` and
 ``step`` must all be called from one thread (the offline ``LLM`` calls them
 inline; the OpenAI server queues them onto its engine thread).
 """
@@ -9,24 +14,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.core.config import SchedulerConfig
 from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
+from omnistage.core.one_shot_scheduler import OneShotScheduler
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import InputProcessor, ProcessedInputs, PromptType
 from omnistage.engine.output_processor import OutputProcessor
+from omnistage.engine.stage import StageHeld, StageSpec
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
-from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.worker.model_runner import ModelRunner
+from omnistage.worker.one_shot_runner import OneShotRunner
 
-__all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType"]
+__all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType", "StageEngine"]
 
 
 @dataclass
@@ -53,32 +61,42 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
-class LLMEngine:
-    """Scheduler + model runner + output processing for one model.
+class StageEngine:
+    """Input processing + scheduler + model runner + output processing for one stage.
 
-    A multimodal checkpoint (Qwen2.5-VL, Qwen2.5-Omni thinker) also gets its
-    ``MultiModalProcessor`` (prompts with ``multi_modal_data``) and an
-    encoder budget sized from the largest item the model accepts;
-    ``input_modalities`` says what it takes.
+    An autoregressive stage runs the paged, prefix-cached ``Scheduler`` and
+    the ``ModelRunner``; a one-shot stage (``StageSpec.kind``) the
+    ``OneShotScheduler`` and ``OneShotRunner``. A multimodal checkpoint
+    (Qwen2.5-VL, Qwen2.5-Omni thinker) also gets its ``MultiModalProcessor``
+    (prompts with ``multi_modal_data``) and an encoder budget sized from the
+    largest item the model accepts; ``input_modalities`` says what it takes.
     """
 
-    def __init__(
-        self,
-        args: EngineArgs,
-        loaded_model: Any | None = None,
-        runner_factory: Callable[..., ModelRunner] = ModelRunner,
-    ) -> None:
+    def __init__(self, args: EngineArgs, loaded_model: Any | None = None, spec: StageSpec | None = None) -> None:
         keep_freed_host_memory()  # per-step buffers reuse freed memory instead of faulting in new pages
         if loaded_model is None:
             from omnistage.models.loader import load_model
 
             loaded_model = load_model(args.model, dtype=args.dtype, device=args.device)
+        self.spec = spec = spec or StageSpec()
         self.args = args
         self.loaded_model = loaded_model
         self.tokenizer = loaded_model.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.eos_token_ids = list(getattr(loaded_model, "eos_token_ids", None) or [])
+        if spec.kind == "one_shot":
+            self.vocab_size = 0
+            self.max_model_len = 0
+            self.num_kv_blocks = 0
+            self.input_processor = spec.input_processor
+            self.input_modalities = frozenset()
+            self.scheduler: Scheduler | OneShotScheduler = OneShotScheduler(spec.max_requests_per_step)
+            self.runner: ModelRunner | OneShotRunner = OneShotRunner(loaded_model.model)
+            return
         model = loaded_model.model
         self.vocab_size = model.vocab_size
-        self.eos_token_ids = list(loaded_model.eos_token_ids or [])
         self.max_model_len = args.resolve_max_model_len(loaded_model.max_model_len)
         per_block = kv_cache_bytes_per_block(
             model.num_layers, args.block_size, model.num_kv_heads, model.head_dim, model.dtype
@@ -86,7 +104,7 @@ class LLMEngine:
         self.num_kv_blocks = args.resolve_num_kv_blocks(per_block, self.max_model_len)
         mm_processor = None
         encoder_budget, encoder_cache_size = 0, 0
-        if getattr(loaded_model, "mm_adapter", None) is not None:
+        if spec.input_processor is None and getattr(loaded_model, "mm_adapter", None) is not None:
             from omnistage.multimodal.processing import MultiModalProcessor
 
             mm_processor = MultiModalProcessor.from_pretrained(loaded_model.model_path, tokenizer=self.tokenizer)
@@ -96,8 +114,12 @@ class LLMEngine:
                 args.max_num_batched_encoder_embeds,
                 args.encoder_cache_size,
             )
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, mm_processor)
-        self.input_modalities = self.input_processor.input_modalities
+        if spec.input_processor is None:
+            self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, mm_processor)
+            self.input_modalities = self.input_processor.input_modalities
+        else:
+            self.input_processor, self.input_modalities = spec.input_processor, frozenset()
+        prefix_caching = args.enable_prefix_caching and spec.enable_prefix_caching
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -105,13 +127,13 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 block_size=args.block_size,
                 num_kv_blocks=self.num_kv_blocks,
-                enable_prefix_caching=args.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 encoder_compute_budget=encoder_budget,
                 encoder_cache_size=encoder_cache_size,
                 retain_encoder_outputs=args.enable_encoder_cache,
             )
         )
-        self.runner = runner_factory(
+        self.runner = ModelRunner(
             loaded_model,
             block_size=args.block_size,
             num_kv_blocks=self.num_kv_blocks,
@@ -120,13 +142,13 @@ class LLMEngine:
             device=args.device,
             seed=args.seed,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            # Only where a hit can happen: without KV prefix caching every token is
+            # forwarded, and every row comes from the step itself.
+            enable_tensor_cache=spec.enable_tensor_cache and prefix_caching,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.num_steps = 0
-        self.num_generated_tokens = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs) -> StageEngine:
         return cls(args)
 
     # -- requests ------------------------------------------------------------
@@ -145,10 +167,14 @@ class LLMEngine:
         prompt: PromptType | ProcessedInputs,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        return_hidden_states: bool = False,
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the request (and the
         item, for bad media) when the prompt or the parameters are unusable;
-        nothing is queued then."""
+        nothing is queued then. ``return_hidden_states`` asks for the model's
+        per-token outputs (every forwarded token's row, for a later stage) in
+        the finished output's ``multimodal_output["hidden_states"]``; it needs
+        ``n == 1``."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self.output_processor:
@@ -162,6 +188,8 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
             )
+        if return_hidden_states and params.n != 1:
+            raise ValueError(f"request {request_id!r}: per-token outputs need n=1, got n={params.n}")
         inputs = self.process_inputs(request_id, prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = [
@@ -174,6 +202,8 @@ class LLMEngine:
                 mm_features=inputs.mm_features,
                 cache_salt=inputs.cache_salt,
                 arrival_time=arrival,
+                payload=inputs.payload,
+                return_hidden_states=return_hidden_states,
             )
             for i in range(params.n)
         ]
@@ -214,6 +244,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the outputs that changed."""
         sched_out = self.scheduler.schedule()
+        if sched_out.preempted_req_ids:
+            self.output_processor.drop_rows(sched_out.preempted_req_ids)
         runner_out = self.runner.execute_model(sched_out)
         updated = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(updated, runner_out, time.monotonic())
@@ -225,6 +257,26 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def held(self) -> StageHeld:
+        """What the stage still holds for requests (see ``StageHeld``)."""
+        s = self.scheduler.get_stats()
+        runner = self.runner
+        held = StageHeld(
+            requests=self.scheduler.get_num_unfinished_requests() + len(self.output_processor.states),
+            kv_blocks=s.kv_blocks_used,
+            payloads=runner.num_payloads,
+        )
+        if isinstance(runner, ModelRunner):
+            held.batch_rows = runner.input_batch.num_reqs
+            if runner.tensor_cache is not None:
+                held.staged_tensors = runner.tensor_cache.num_staged_requests
+            if runner.encoder_cache is not None:
+                held.encoder_requests = len(runner.encoder_cache.mm_features)
+            encoder = getattr(self.scheduler, "encoder_cache_manager", None)
+            if encoder is not None:
+                held.encoder_refs = encoder.num_referenced_entries
+        return held
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -267,3 +319,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {self.loaded_model.name!r} has no chat template")
         return self.input_processor.chat_prompt(messages, add_generation_prompt, mm_processor_kwargs, **kwargs)
+
+
+# vLLM's name for the engine of a single-stage model.
+LLMEngine = StageEngine

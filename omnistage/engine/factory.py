@@ -1,0 +1,27 @@
+"""One way to build the engine of any checkpoint: a stage engine, or a pipeline of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.omni.pipeline import OmniOptions, OmniPipeline, build_omni_pipeline
+from omnistage.engine.stage_engine import StageEngine
+from omnistage.models.qwen2_5_omni import OmniModel, is_omni_checkpoint, load_qwen2_5_omni
+
+__all__ = ["Engine", "build_engine"]
+
+# Both offer add_request / abort_request / step / has_unfinished_requests / get_stats.
+Engine = StageEngine | OmniPipeline
+
+
+def build_engine(args: EngineArgs, options: OmniOptions | None = None, loaded: Any | None = None) -> Engine:
+    """The engine for ``args.model``: the omni pipeline for a whole omni checkpoint
+    (thinker + talker + token2wav), else one stage. ``loaded`` is a model already
+    loaded (an ``OmniModel`` or a ``LoadedModel``) whose weights the engine shares."""
+    if isinstance(loaded, OmniModel) or (loaded is None and is_omni_checkpoint(args.model)):
+        omni = loaded if isinstance(loaded, OmniModel) else load_qwen2_5_omni(args.model, args.dtype, args.device)  # type: ignore[arg-type]
+        return build_omni_pipeline(args, omni, options)
+    if options is not None and options != OmniOptions():
+        raise ValueError(f"{args.model or 'the default model'!r} is not an omni checkpoint: talker options do not apply")
+    return StageEngine(args, loaded)

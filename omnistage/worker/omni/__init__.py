@@ -1,1 +1,0 @@
-"""Stage runners of omni pipelines (thinker, talker)."""
