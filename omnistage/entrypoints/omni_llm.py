@@ -5,14 +5,10 @@
 
 from __future__ import annotations
 
-import io
 import itertools
-import wave
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.llm_engine import PromptType
@@ -21,6 +17,7 @@ from omnistage.engine.omni.pipeline import OmniPipeline
 from omnistage.engine.omni.talker_stage import TalkerParams, TalkerStage, TalkerStageConfig
 from omnistage.engine.omni.thinker_stage import ThinkerStage
 from omnistage.engine.omni.token2wav_stage import Token2WavStage
+from omnistage.multimodal.media import encode_wav, write_wav  # re-exported: callers imported them from here
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -159,26 +156,6 @@ class OmniLLM:
         engine = self.pipeline.thinker.engine
         prompts = [engine.encode_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, return_audio, speaker)
-
-
-def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int) -> Path:
-    """Write a float waveform in [-1, 1] as 16-bit PCM mono WAV (for the CLI)."""
-    path = Path(path)
-    path.write_bytes(encode_wav(audio, sample_rate))
-    return path
-
-
-def encode_wav(audio: np.ndarray, sample_rate: int) -> bytes:
-    """A float waveform in [-1, 1] as the bytes of a 16-bit PCM mono WAV file
-    (samples clipped, scaled by 32767 and rounded)."""
-    pcm = (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(int(sample_rate))
-        f.writeframes(pcm.tobytes())
-    return buf.getvalue()
 
 
 def _as_overrides(params: TalkerParams) -> dict[str, Any]:
