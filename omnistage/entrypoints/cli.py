@@ -139,7 +139,8 @@ def run_generate(args: argparse.Namespace, out: TextIO) -> int:
 def _run_generate_omni(args: argparse.Namespace, items: list[tuple[str, str]], params: SamplingParams, out: TextIO) -> int:
     """Text and speech from an omni checkpoint: one JSON line per prompt, one WAV file per answer."""
     from omnistage.engine.arg_utils import EngineArgs
-    from omnistage.entrypoints.omni_llm import OmniLLM, write_wav
+    from omnistage.entrypoints.omni_llm import OmniLLM
+    from omnistage.multimodal.media import write_wav
 
     engine_args = {k: v for k, v in vars(EngineArgs.from_cli_args(args)).items() if k != "model"}
     talker = {"max_tokens": args.talker_max_tokens} if args.talker_max_tokens else None

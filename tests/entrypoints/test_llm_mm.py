@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
 import wave
 
 import numpy as np
@@ -100,6 +101,46 @@ def test_chat_input_audio_and_mixed_batch(omni):
     assert by_chat.prompt_token_ids == by_dict[0].prompt_token_ids
     assert by_chat.outputs[0].token_ids == by_dict[0].outputs[0].token_ids
     assert len(by_dict) == 2 and by_dict[1].outputs[0].token_ids
+
+
+def _wav_24bit(ints: np.ndarray, rate: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(3)
+        f.setframerate(rate)
+        f.writeframes(b"".join(int(v).to_bytes(3, "little", signed=True) for v in ints))
+    return buf.getvalue()
+
+
+def test_chat_takes_24_bit_and_float_wavs(omni, tmp_path):
+    """24-bit and float WAVs (the server always took them) in ``input_audio``
+    parts and as paths decode to exactly the samples written: the answer equals
+    the one for the float array, and no new encoder run happens (same content hash)."""
+    ints = np.random.default_rng(3).integers(-(1 << 22), 1 << 22, 16000)
+    samples = (ints / float(1 << 23)).astype(np.float32)
+    tokenizer = omni.get_tokenizer()
+    parts = [{"type": "audio"}, {"type": "text", "text": "listen"}]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
+    (by_dict,) = omni.generate({"prompt": prompt, "multi_modal_data": {"audio": (samples, 16000)}}, GREEDY, use_tqdm=False)
+    encoded = omni.llm_engine.runner.num_encoded_items
+    float_path = tmp_path / "float.wav"
+    f32 = samples.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, 16000, 16000 * 4, 4, 32)
+    float_path.write_bytes(
+        b"RIFF" + struct.pack("<I", 4 + 24 + 8 + len(f32)) + b"WAVEfmt " + struct.pack("<I", 16) + fmt
+        + b"data" + struct.pack("<I", len(f32)) + f32
+    )  # fmt: skip
+    b64 = base64.b64encode(_wav_24bit(ints, 16000)).decode()
+    chats = [
+        [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
+                                      {"type": "text", "text": "listen"}]}],
+        [{"role": "user", "content": [{"type": "audio", "audio": str(float_path)}, {"type": "text", "text": "listen"}]}],
+    ]  # fmt: skip
+    for out in omni.chat(chats, GREEDY, use_tqdm=False):
+        assert out.prompt_token_ids == by_dict.prompt_token_ids
+        assert out.outputs[0].token_ids == by_dict.outputs[0].token_ids
+    assert omni.llm_engine.runner.num_encoded_items == encoded
 
 
 def test_bad_item_raises_before_anything_is_queued(vl):

@@ -188,7 +188,7 @@ def test_item_count_errors(vl):
 
 
 def test_bad_item_errors_name_the_item(vl, omni):
-    with pytest.raises(ValueError, match="image item 1: could not decode the image data"):
+    with pytest.raises(ValueError, match="image item 1: could not decode image data"):
         vl.process({"prompt": chat(vl, "image", "image"), "multi_modal_data": {"image": [image(0), b"garbage"]}})
     with pytest.raises(ValueError, match=r"audio item 0: expected a mono waveform of shape \(num_samples,\)"):
         stereo = (np.zeros((2, 100), np.float32), 16000)

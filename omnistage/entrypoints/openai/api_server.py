@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from omnistage.entrypoints.openai.engine_client import EngineClient
 from omnistage.entrypoints.openai.errors import APIError, bad_request
-from omnistage.entrypoints.openai.media import MediaLimits
+from omnistage.entrypoints.openai.media import DEFAULT_MAX_AUDIO_SECONDS, DEFAULT_MAX_IMAGE_PIXELS, server_media_limits
 from omnistage.entrypoints.openai.metrics import normalize_engine_stats
 from omnistage.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -58,8 +58,8 @@ class ServerOptions:
     api_key: str | None = None
     allowed_local_media_path: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_image_pixels: int = MediaLimits.max_image_pixels
-    max_audio_seconds: float = MediaLimits.max_audio_seconds
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
     stats_timeout_s: float = 10.0  # /metrics waits at most this long for the engine thread
     # Omni checkpoints: overrides of the talker's sampling (``TalkerParams`` fields), for every request.
     talker_params: dict[str, Any] | None = None
@@ -120,11 +120,11 @@ def build_app(
     """The FastAPI app; its lifespan builds the engine in its own thread and stops it."""
     options = options or ServerOptions()
     client = EngineClient(engine_factory or _default_engine_factory(engine_args, options))
-    limits = MediaLimits(
+    limits = server_media_limits(
+        allowed_local_media_path=options.allowed_local_media_path,
         max_image_pixels=options.max_image_pixels,
         max_audio_seconds=options.max_audio_seconds,
         max_media_bytes=options.max_request_body_bytes,
-        allowed_local_media_path=options.allowed_local_media_path,
     )
 
     @asynccontextmanager

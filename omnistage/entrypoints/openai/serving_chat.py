@@ -64,6 +64,7 @@ from omnistage.entrypoints.openai.serving_common import (
     until_disconnect,
     usage_of,
 )
+from omnistage.multimodal.media import encode_wav
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 ENDPOINT = "chat"
@@ -339,8 +340,6 @@ def _audio_of(out: RequestOutput) -> tuple[str, bytes] | None:
     """A finished output's spoken answer as (audio id, WAV bytes); None without audio."""
     if out.audio is None or out.sample_rate is None:
         return None
-    from omnistage.entrypoints.omni_llm import encode_wav  # only omni engines produce audio
-
     return new_id("audio"), encode_wav(out.audio, out.sample_rate)  # type: ignore[arg-type]
 
 

@@ -12,7 +12,8 @@ import torch
 from omni_utils import GREEDY_TALKER, SMALL, assert_nothing_held, assert_same_answer
 
 from omnistage.models.qwen2_5_omni import is_omni_checkpoint
-from omnistage.entrypoints.omni_llm import OmniLLM, write_wav
+from omnistage.entrypoints.omni_llm import OmniLLM
+from omnistage.multimodal.media import write_wav
 from omnistage.sampling_params import SamplingParams
 
 SP = SamplingParams(temperature=0.0, max_tokens=8)

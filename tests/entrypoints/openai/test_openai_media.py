@@ -1,19 +1,27 @@
-"""Image and audio decoding: every failure a 400 naming the part and the problem."""
+"""The server's media adapter: the server's bounds, and every media failure a
+400 naming the part and the problem. (Decoding itself is tested with the one
+media module, tests/multimodal/test_media.py and test_media_wav.py.)"""
 
 from __future__ import annotations
 
 import base64
-import os
 
 import numpy as np
 import pytest
 
 from omnistage.entrypoints.openai.errors import APIError
-from omnistage.entrypoints.openai.media import MediaLimits, decode_audio, decode_wav, load_image
+from omnistage.entrypoints.openai.media import (
+    DEFAULT_MAX_AUDIO_SECONDS,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    decode_audio,
+    load_image,
+    server_media_limits,
+)
 
 from oai_helpers import png_bytes, png_data_url, wav_bytes
 
 P = "messages[0].content[1].image_url.url"
+A = "messages[0].content[0].input_audio"
 
 
 def _err(fn, *args) -> APIError:
@@ -24,7 +32,7 @@ def _err(fn, *args) -> APIError:
 
 
 def test_data_url_image_decodes_to_rgb() -> None:
-    img = load_image(png_data_url(8, 6), MediaLimits(), P)
+    img = load_image(png_data_url(8, 6), server_media_limits(), P)
     assert img.size == (8, 6) and img.mode == "RGB"
 
 
@@ -32,55 +40,48 @@ def test_data_url_image_decodes_to_rgb() -> None:
     "url, code, words",
     [
         ("data:image/png;base64,@@@notbase64@@@", "invalid_base64", "invalid base64"),
-        ("data:image/png;base64,", "invalid_base64", "empty"),
         ("data:image/png," + base64.b64encode(b"x").decode(), "invalid_data_url", "base64"),
-        ("data:image/png;base64" + "AAAA", "invalid_data_url", "separat"),
         ("data:text/plain;base64," + base64.b64encode(b"hello").decode(), "invalid_media_type", "text/plain"),
-        ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), "invalid_image", "could not decode"),
         ("data:image/png;base64," + base64.b64encode(png_bytes(64, 64)[:60]).decode(), "invalid_image", "could not decode"),
         ("https://example.com/cat.png", "remote_url_not_allowed", "remote"),
-        ("http://127.0.0.1/cat.png", "remote_url_not_allowed", "remote"),
         ("ftp://x/y.png", "invalid_url", "scheme"),
         ("file:///etc/passwd", "local_media_disabled", "allowed-local-media-path"),
+        ("/etc/passwd", "local_media_disabled", "allowed-local-media-path"),
     ],
 )
-def test_bad_images(url: str, code: str, words: str) -> None:
-    err = _err(load_image, url, MediaLimits(), P)
-    assert err.code == code
-    assert words in err.message and P in err.message and err.param == P
+def test_bad_images_are_400s_naming_the_field(url: str, code: str, words: str) -> None:
+    err = _err(load_image, url, server_media_limits(), P)
+    assert err.code == code and err.param == P
+    assert words in err.message and err.message.startswith(f"{P}: ")
 
 
-def test_pixel_limit_checked_from_header() -> None:
-    err = _err(load_image, png_data_url(100, 50), MediaLimits(max_image_pixels=4999), P)
+def test_server_bounds() -> None:
+    limits = server_media_limits()
+    assert limits.max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS and limits.max_audio_seconds == DEFAULT_MAX_AUDIO_SECONDS
+    assert not limits.local_files and limits.max_media_bytes is not None
+    err = _err(load_image, png_data_url(100, 50), server_media_limits(max_image_pixels=4999), P)
     assert err.code == "image_too_large" and "100x50" in err.message
 
 
-def test_local_paths(tmp_path) -> None:
+def test_local_files_only_under_the_allowed_directory(tmp_path) -> None:
     root = tmp_path / "media"
     root.mkdir()
     (root / "ok.png").write_bytes(png_bytes(4, 4))
-    outside = tmp_path / "secret.png"
-    outside.write_bytes(png_bytes(4, 4))
-    os.symlink(outside, root / "link.png")
-    limits = MediaLimits(allowed_local_media_path=str(root))
+    (tmp_path / "secret.png").write_bytes(png_bytes(4, 4))
+    limits = server_media_limits(allowed_local_media_path=str(root))
     assert load_image(f"file://{root}/ok.png", limits, P).size == (4, 4)
     assert _err(load_image, f"file://{root}/../secret.png", limits, P).code == "path_not_allowed"
-    assert _err(load_image, f"file://{outside}", limits, P).code == "path_not_allowed"
-    assert _err(load_image, f"file://{root}/link.png", limits, P).code == "path_not_allowed"  # symlink out
-    assert _err(load_image, f"file://{root}/missing.png", limits, P).code == "file_not_found"
-    assert _err(load_image, f"file://evil.host{root}/ok.png", limits, P).code == "invalid_url"
-    small = MediaLimits(allowed_local_media_path=str(root), max_media_bytes=10)
+    assert _err(load_image, f"file://{tmp_path}/secret.png", limits, P).code == "path_not_allowed"
+    small = server_media_limits(allowed_local_media_path=str(root), max_media_bytes=10)
     assert _err(load_image, f"file://{root}/ok.png", small, P).code == "media_too_large"
-
-
-A = "messages[0].content[0].input_audio"
 
 
 @pytest.mark.parametrize("bits, float_format", [(8, False), (16, False), (24, False), (32, False), (32, True), (64, True)])
 def test_wav_encodings_roundtrip(bits: int, float_format: bool) -> None:
     t = np.arange(800) / 8000
     x = 0.5 * np.sin(2 * np.pi * 200 * t)
-    audio = decode_wav(wav_bytes(x, 8000, bits, float_format), MediaLimits(), A)
+    data = base64.b64encode(wav_bytes(x, 8000, bits, float_format)).decode()
+    audio = decode_audio(data, "wav", server_media_limits(), A)
     assert audio.sample_rate == 8000 and audio.samples.dtype == np.float32
     tol = 2e-2 if bits == 8 else 1e-3
     np.testing.assert_allclose(audio.samples, x, atol=tol)
@@ -88,12 +89,12 @@ def test_wav_encodings_roundtrip(bits: int, float_format: bool) -> None:
 
 def test_stereo_mixed_to_mono() -> None:
     x = np.stack([np.full(100, 0.5), np.full(100, -0.1)], axis=1)
-    audio = decode_wav(wav_bytes(x, 16000, 16, channels=2), MediaLimits(), A)
-    np.testing.assert_allclose(audio.samples, 0.2, atol=1e-3)
+    data = base64.b64encode(wav_bytes(x, 16000, 16, channels=2)).decode()
+    np.testing.assert_allclose(decode_audio(data, "wav", server_media_limits(), A).samples, 0.2, atol=1e-3)
 
 
 def test_bad_audio() -> None:
-    limits = MediaLimits(max_audio_seconds=1.0)
+    limits = server_media_limits(max_audio_seconds=1.0)
     long_wav = base64.b64encode(wav_bytes(np.zeros(16000 * 2), 16000)).decode()
     err = _err(decode_audio, long_wav, "wav", limits, A)
     assert err.code == "audio_too_long" and "2.0 s" in err.message and err.param == f"{A}.data"
