@@ -188,7 +188,12 @@ def test_periodic_stats_line(tiny_checkpoints, caplog) -> None:
                     usage = http.post("/v1/completions", json=body).json()["usage"]
                     prompt_tokens += usage["prompt_tokens"]
                     generated += usage["completion_tokens"]
-            time.sleep(4 * interval)  # the line after the last step, then silence
+            # Wait for the line that covers the last step (a busy machine may delay it).
+            deadline = time.monotonic() + 10
+            while sum(r.engine_stats.generation_tokens for r in _stats_records(caplog)) < generated:
+                assert time.monotonic() < deadline, "no stats line covered the requests' tokens"
+                time.sleep(0.05)
+            time.sleep(2 * interval)
             records = _stats_records(caplog)
             settled = len(records)
             time.sleep(3 * interval)
