@@ -7,12 +7,24 @@ from typing import TYPE_CHECKING, Any
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.sampling_params import SamplingParams
 
+
+
+def _installed_version() -> str:
+    """The installed distribution's version; a source tree that was never installed says so."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omnistage")
+    except PackageNotFoundError:
+        return "0.0.0+source"
+
+
 if TYPE_CHECKING:
     from omnistage.engine.arg_utils import EngineArgs
     from omnistage.engine.stage_engine import LLMEngine
     from omnistage.entrypoints.llm import LLM
 
-__version__ = "0.1.0"
+__version__ = _installed_version()
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 # Importing these pulls in torch and transformers; keep `import omnistage` light.

@@ -10,6 +10,7 @@ from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.factory import Engine, build_engine
 from omnistage.engine.omni.pipeline import OmniOptions
 from omnistage.engine.stage_engine import EngineStats, PromptType
+from omnistage.entrypoints.progress import ProgressBar
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -142,14 +143,16 @@ class LLM:
             engine.abort_request(list(order))  # leave the engine as it was
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = _progress(len(prompts)) if use_tqdm else None
+        bar = ProgressBar(len(prompts)) if use_tqdm else None
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished and out.request_id in order:
+                    if out.request_id not in order:
+                        continue
+                    if bar is not None:
+                        bar.update(out)
+                    if out.finished:
                         results[order[out.request_id]] = out
-                        if bar is not None:
-                            bar.update(1)
         except BaseException:
             engine.abort_request(list(order))
             raise
@@ -167,10 +170,3 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
         return [prompts]  # one prompt given as token ids
     return prompts
 
-
-def _progress(total: int) -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm comes with transformers, but stay usable without it
-        return None
-    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -6,6 +6,11 @@ app under uvicorn in a background thread for tests and benchmarks.
 ``python -m omnistage.entrypoints.openai.api_server`` and ``omnistage serve``
 both end in ``serve_main`` (``cli_args``).
 
+Besides the OpenAI routes: ``/health``, ``/metrics`` (Prometheus text),
+``/version``, and vLLM's ``/tokenize`` and ``/detokenize``. While the engine
+is busy a stats line is logged every ``stats_log_interval_s`` (see
+``stats_log``); every 4xx answer is logged at DEBUG with its reason.
+
 Bodies are read and parsed here, not by FastAPI, so malformed JSON, oversized
 bodies and schema errors all come back in OpenAI's error format (400/413)
 instead of FastAPI's 422 shape.
@@ -29,6 +34,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+import omnistage
 from omnistage.entrypoints.openai.engine_client import EngineClient
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import DEFAULT_MAX_AUDIO_SECONDS, DEFAULT_MAX_IMAGE_PIXELS, server_media_limits
@@ -43,6 +49,8 @@ from omnistage.entrypoints.openai.protocol import (
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_common import ServingContext
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
+from omnistage.entrypoints.openai.serving_tokenize import DetokenizeRequest, TokenizeServing, parse_tokenize_request
+from omnistage.entrypoints.openai.stats_log import DEFAULT_INTERVAL_S, StatsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,8 @@ class ServerOptions:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
     stats_timeout_s: float = 10.0  # /metrics waits at most this long for the engine thread
+    # Seconds between engine-stats log lines (logged only while busy); None or 0: no stats lines.
+    stats_log_interval_s: float | None = DEFAULT_INTERVAL_S
     # Omni checkpoints: overrides of the talker's sampling (``TalkerParams`` fields), for every request.
     talker_params: dict[str, Any] | None = None
 
@@ -145,9 +155,16 @@ def build_app(
         app.state.ctx = ctx
         app.state.chat = ChatServing(ctx)
         app.state.completions = CompletionServing(ctx)
+        app.state.tokenize = TokenizeServing(ctx)
+        stats_task = None
+        if options.stats_log_interval_s:
+            stats_logger = StatsLogger(options.stats_log_interval_s)
+            stats_task = asyncio.create_task(stats_logger.run(client, options.stats_timeout_s))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await asyncio.to_thread(client.shutdown)
 
     app = FastAPI(title="omnistage OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -188,6 +205,27 @@ def build_app(
 
     app.include_router(v1)
 
+    # vLLM serves these outside /v1; the API key guards them too (they run in the engine thread).
+    extra = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @extra.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await read_json_body(request, options.max_request_body_bytes)
+        result = await request.app.state.tokenize.tokenize(parse_tokenize_request(body))
+        return JSONResponse(result.model_dump(exclude_none=True))
+
+    @extra.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await read_json_body(request, options.max_request_body_bytes)
+        result = await request.app.state.tokenize.detokenize(parse_request(DetokenizeRequest, body))
+        return JSONResponse(result.model_dump())
+
+    app.include_router(extra)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": omnistage.__version__})
+
     @app.get("/health")
     async def health() -> Response:
         if client.is_healthy:
@@ -216,12 +254,14 @@ def build_app(
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         record_error(request, exc.status_code)
+        log_client_error(request, exc)
         return JSONResponse(exc.to_body(), status_code=exc.status_code)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes (404) and wrong methods (405), in OpenAI's shape.
         err = APIError(str(exc.detail), status_code=exc.status_code, code=None)
+        log_client_error(request, err)
         return JSONResponse(err.to_body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -232,6 +272,15 @@ def build_app(
         return JSONResponse(err.to_body(), status_code=500)
 
     return app
+
+
+def log_client_error(request: Request, err: APIError) -> None:
+    """One DEBUG line per 4xx: the access log shows only the status, this says why."""
+    if 400 <= err.status_code < 500:
+        logger.debug(
+            "%d %s %s: %s (param=%s, code=%s)",
+            err.status_code, request.method, request.url.path, err.message, err.param, err.code,
+        )
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -34,6 +34,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
     server.add_argument("--max-audio-seconds", type=float, default=600.0)
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument(
+        "--stats-log-interval", type=float, default=10.0, metavar="SECONDS",
+        help="log an engine-stats line this often while busy; 0 turns it off",
+    )
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="float32")
@@ -63,6 +67,7 @@ def server_options_from(args: argparse.Namespace) -> Any:
         max_image_pixels=args.max_image_pixels,
         max_audio_seconds=args.max_audio_seconds,
         talker_params={"max_tokens": args.talker_max_tokens} if getattr(args, "talker_max_tokens", None) else None,
+        stats_log_interval_s=getattr(args, "stats_log_interval", 10.0),
     )
 
 

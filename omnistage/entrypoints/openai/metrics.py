@@ -1,9 +1,13 @@
 """Server metrics in the Prometheus text exposition format (version 0.0.4).
 
-Counters and the time-to-first-token histogram are updated by the serving
-code on the event loop thread (one writer, so no locks). Gauges that describe
-the engine (KV-cache usage, running/waiting requests, cache hit rates) are read
-from ``engine.get_stats()`` at scrape time, so they are never stale.
+Counters and the latency histograms are updated by the serving code on the
+event loop thread (one writer, so no locks). Gauges that describe the engine
+(KV-cache usage, running/waiting requests, cache hit rates) are read from
+``engine.get_stats()`` at scrape time, so they are never stale.
+
+Names follow vLLM's where vLLM has the metric (``vllm:e2e_request_latency_seconds``
+is ``omnistage:e2e_request_latency_seconds`` here), so its dashboards port by
+changing the prefix.
 
 Written by hand rather than with ``prometheus_client``: the format is a few
 lines of text and the dependency would be the only one for it.
@@ -17,10 +21,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-PREFIX = "omnistage"
+from omnistage.outputs import RequestOutput
+
+PREFIX = "omnistage:"
 
 # Seconds; spans a tiny CPU model (ms) to a long queue on a large one (tens of s).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Per request: its decode time over its tokens after the first.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def _escape(value: str) -> str:
@@ -52,6 +61,18 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * len(self.buckets)
 
+    def samples(self) -> list[tuple[str, tuple, float]]:
+        """Cumulative ``_bucket`` samples, then ``_sum`` and ``_count``."""
+        out: list[tuple[str, tuple, float]] = []
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            out.append(("_bucket", (("le", _num(bound)),), cumulative))
+        out.append(("_bucket", (("le", "+Inf"),), self.n))
+        out.append(("_sum", (), self.total))
+        out.append(("_count", (), self.n))
+        return out
+
     def observe(self, value: float) -> None:
         idx = bisect.bisect_left(self.buckets, value)
         if idx < len(self.counts):
@@ -70,6 +91,8 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.cached_prompt_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
 
     def record_request(self, endpoint: str, outcome: str) -> None:
         """outcome: success | client_error | server_error | aborted (client went away)."""
@@ -86,11 +109,26 @@ class ServerMetrics:
     def record_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
+    def record_latencies(self, output: RequestOutput) -> None:
+        """End-to-end latency and time per output token of one finished prompt,
+        from the engine's own timestamps (arrival, first token, finish).
+
+        TPOT is observed only for a prompt with two or more tokens in its
+        longest choice; an output without timestamps (an engine that keeps
+        none) records nothing."""
+        m = getattr(output, "metrics", None)
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        generated = max((len(c.token_ids) for c in output.outputs), default=0)
+        if m.first_token_time is not None and generated > 1:
+            self.tpot.observe((m.finished_time - m.first_token_time) / (generated - 1))
+
     def render(self, engine_stats: dict[str, float]) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, tuple, float]]) -> None:
-            full = f"{PREFIX}_{name}"
+            full = f"{PREFIX}{name}"
             lines.append(f"# HELP {full} {help_}")
             lines.append(f"# TYPE {full} {kind}")
             for suffix, labels, value in samples:
@@ -110,21 +148,24 @@ class ServerMetrics:
             "cached_prompt_tokens_total", "counter", "Prompt tokens served by the KV prefix cache.",
             [("", (), self.cached_prompt_tokens)],
         )
-        h = self.ttft
-        samples: list[tuple[str, tuple, float]] = []
-        cumulative = 0
-        for bound, count in zip(h.buckets, h.counts):
-            cumulative += count
-            samples.append(("_bucket", (("le", _num(bound)),), cumulative))
-        samples.append(("_bucket", (("le", "+Inf"),), h.n))
-        samples.append(("_sum", (), h.total))
-        samples.append(("_count", (), h.n))
-        metric("time_to_first_token_seconds", "histogram", "Time from request arrival to its first token.", samples)
+        metric(
+            "time_to_first_token_seconds", "histogram", "Time from request arrival to its first token.",
+            self.ttft.samples(),
+        )
+        metric(
+            "e2e_request_latency_seconds", "histogram", "Time from a prompt's arrival in the engine to its last token.",
+            self.e2e.samples(),
+        )
+        metric(
+            "time_per_output_token_seconds", "histogram",
+            "Per prompt: time from its first to its last token over the tokens after the first.",
+            self.tpot.samples(),
+        )
 
         gauges = [
             ("num_requests_running", "Requests being stepped by the engine."),
             ("num_requests_waiting", "Requests queued for admission."),
-            ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1)."),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1; the name is vLLM's)."),
             ("kv_cache_blocks_used", "KV-cache blocks in use."),
             ("kv_cache_blocks_total", "KV-cache blocks in the pool."),
             ("prefix_cache_hit_rate", "KV prefix cache: hit tokens / queried tokens since start."),
@@ -162,7 +203,7 @@ def normalize_engine_stats(stats: Any) -> dict[str, float]:
         "num_requests_waiting": get("num_waiting_reqs"),
         "kv_cache_blocks_used": used,
         "kv_cache_blocks_total": total,
-        "kv_cache_usage_ratio": used / total if total else 0.0,
+        "kv_cache_usage_perc": used / total if total else 0.0,
         "prefix_cache_queries_total": queries,
         "prefix_cache_hits_total": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,

@@ -169,6 +169,7 @@ def record_finished(ctx: ServingContext, endpoint: str, outputs: list[RequestOut
     for o in outputs:
         for c in o.outputs:
             ctx.metrics.record_finish(c.finish_reason)
+        ctx.metrics.record_latencies(o)
     ctx.metrics.record_request(endpoint, "success")
 
 

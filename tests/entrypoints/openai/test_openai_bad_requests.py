@@ -201,7 +201,7 @@ def test_chunked_body_over_limit(server, http: httpx.Client) -> None:
 def test_errors_counted_and_engine_clean(server, http: httpx.Client) -> None:
     http.post(CHAT, content=b"{nope")
     text = http.get("/metrics").text
-    assert 'omnistage_requests_total{endpoint="chat",outcome="client_error"}' in text
+    assert 'omnistage:requests_total{endpoint="chat",outcome="client_error"}' in text
     stats = server.wait_idle()
     assert stats.kv_blocks_used == 0
     assert json.loads(http.get("/health").text)["status"] == "ok"

@@ -51,7 +51,7 @@ def _aborted_count(http: httpx.Client) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in http.get("/metrics").text.splitlines()
-        if line.startswith("omnistage_requests_total") and 'outcome="aborted"' in line
+        if line.startswith("omnistage:requests_total") and 'outcome="aborted"' in line
     )
 
 
@@ -78,7 +78,7 @@ def test_concurrent_streams_with_disconnects(server) -> None:
     assert stats.kv_blocks_used == 0 and stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
     with httpx.Client(base_url=server.base_url) as http:
         assert http.get("/health").json() == {"status": "ok"}
-        assert "omnistage_kv_cache_usage_ratio 0\n" in http.get("/metrics").text
+        assert "omnistage:kv_cache_usage_perc 0\n" in http.get("/metrics").text
         aborted = _aborted_count(http) - aborted_before
         # Each early leaver is counted once; a leaver whose request had already
         # finished when the hang-up arrived is a success instead.

@@ -262,6 +262,11 @@ def test_models_health_and_metrics(omni_server, client: openai.OpenAI) -> None:
         assert http.get("/health").json() == {"status": "ok"}
         metrics = http.get("/metrics")
         assert metrics.status_code == 200 and "kv" in metrics.text.lower()
+        # /tokenize and /detokenize use the thinker's tokenizer (the omni engine has no vocab_size of its own).
+        tok = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi there"}]}).json()
+        assert tok["count"] == len(tok["tokens"]) > 0
+        assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].count("hi there") == 1
+        assert http.post("/detokenize", json={"tokens": [10**7]}).status_code == 400
 
 
 def test_failed_talker_step_fails_the_request_and_the_pipeline_recovers(

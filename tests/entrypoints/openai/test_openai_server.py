@@ -26,9 +26,9 @@ def test_health_models_and_metrics(server: Server, client: openai.OpenAI, http: 
     assert [m.id for m in models.data] == [server.model]
     client.chat.completions.create(model=server.model, messages=MSG, **GREEDY)
     text = http.get("/metrics").text
-    assert 'omnistage_requests_total{endpoint="chat",outcome="success"}' in text
-    assert "omnistage_time_to_first_token_seconds_count" in text
-    assert "omnistage_kv_cache_usage_ratio" in text and "omnistage_encoder_cache_hit_rate 0" in text
+    assert 'omnistage:requests_total{endpoint="chat",outcome="success"}' in text
+    assert "omnistage:time_to_first_token_seconds_count" in text
+    assert "omnistage:kv_cache_usage_perc" in text and "omnistage:encoder_cache_hit_rate 0" in text
 
 
 def test_chat_sync_and_stream_agree(server: Server, client: openai.OpenAI) -> None:
