@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from omnistage.models.qwen2_5_omni import OmniModel, load_qwen2_5_omni
-from omnistage.entrypoints.omni_llm import OmniLLM
+from omnistage import LLM
 from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 from omnistage.sampling_params import SamplingParams
 
@@ -48,10 +48,10 @@ TALKER = {"temperature": 0.0, "max_tokens": 4}  # few codes: token2wav would oth
 TEXT_TOKENS_A = 48  # many decode steps: the cache's per-step cost weighs most there
 
 
-def build(omni: OmniModel, caches: str, **kw: Any) -> OmniLLM:
+def build(omni: OmniModel, caches: str, **kw: Any) -> LLM:
     """``caches``: "all" (KV prefix + tensor prefix), "kv" (KV prefix only; a hit
     would raise, so only for workloads without one) or "none"."""
-    return OmniLLM(
+    return LLM(
         omni,
         block_size=BLOCK,
         max_model_len=4096,
@@ -69,10 +69,10 @@ class CpuClock:
     """CPU seconds spent in a pipeline's steps (and in its thinker stage's), and the
     clock reading at which each output completed (``out.extra["cpu_done"]``)."""
 
-    def __init__(self, llm: OmniLLM) -> None:
+    def __init__(self, llm: LLM) -> None:
         self.now = 0.0
         self.thinker = 0.0
-        pipeline, stage = llm.pipeline, llm.pipeline.thinker
+        pipeline, stage = llm.llm_engine, llm.llm_engine.stages["thinker"]
         step, thinker_step = pipeline.step, stage.step
 
         def pipeline_step() -> Any:
@@ -102,7 +102,7 @@ def no_shared_prefixes(omni: OmniModel, caches: str, num: int, prompt_len: int, 
     prompts = [rng.integers(0, 256, prompt_len).tolist() for _ in range(num)]
     params = SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS_A, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     assert all(o.num_cached_tokens == 0 for o in outs) and len(outs) == num
     return {"total": clock.now, "thinker": clock.thinker, "wall": wall}
@@ -121,7 +121,7 @@ def multi_turn(omni: OmniModel, caches: str, convs: int, turns: int, system_len:
     t0 = time.perf_counter()
     for turn in range(turns):
         start = clock.now
-        outs = llm.generate(histories, params)
+        outs = llm.generate(histories, params, use_tqdm=False)
         if turn:
             later_ttfa += [o.extra["cpu_done"] - start for o in outs]
             first_audio.append(min(o.extra["cpu_done"] for o in outs) - start)
@@ -173,8 +173,8 @@ def main() -> None:
     })  # fmt: skip
 
     probe = build(omni, "all")
-    cache = probe.pipeline.thinker.runner.tensor_cache
-    kv_bytes = sum(t.numel() * t.element_size() for t in probe.pipeline.thinker.runner.kv_caches)
+    cache = probe.llm_engine.stages["thinker"].runner.tensor_cache
+    kv_bytes = sum(t.numel() * t.element_size() for t in probe.llm_engine.stages["thinker"].runner.kv_caches)
     thinker = omni.thinker.model
 
     print(f"tiny Qwen2.5-Omni, fp32, {args.threads} thread(s), best of {rounds} interleaved rounds, CPU seconds")

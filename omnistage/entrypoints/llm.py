@@ -129,7 +129,7 @@ class LLM:
         engine = self.llm_engine
         speaks = "audio" in self.output_modalities
         if not speaks and (return_audio or speaker is not None or talker_params):
-            raise ValueError("this model cannot speak: return_audio, speaker and talker_params need an omni checkpoint")
+            raise ValueError("this model cannot return audio: return_audio, speaker and talker_params need an omni checkpoint with a talker")
         audio = {"return_audio": return_audio, "speaker": speaker, "talker_params": talker_params} if speaks else {}
         request_ids = [str(next(self._ids)) for _ in prompts]
         # Tokenize and process media first: a bad prompt raises before anything is queued.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from omnistage.models.qwen2_5_omni import OmniModel, load_qwen2_5_omni
-from omnistage.entrypoints.omni_llm import OmniLLM
+from omnistage import LLM
 from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 from omni_utils import GREEDY_TALKER, SMALL
 
@@ -35,12 +35,12 @@ def hf_model(omni_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def make_llm(omni_model: OmniModel) -> Callable[..., OmniLLM]:
-    """An ``OmniLLM`` on the shared weights; keyword arguments override ``SMALL``
+def make_llm(omni_model: OmniModel) -> Callable[..., LLM]:
+    """An ``LLM`` on the shared omni weights; keyword arguments override ``SMALL``
     and a greedy talker."""
 
-    def make(**kwargs: Any) -> OmniLLM:
+    def make(**kwargs: Any) -> LLM:
         args = {**SMALL, "talker_params": dict(GREEDY_TALKER), **kwargs}
-        return OmniLLM(omni_model, **args)
+        return LLM(omni_model, **args)
 
     return make

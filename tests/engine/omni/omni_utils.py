@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from omnistage.entrypoints.omni_llm import OmniLLM
+from omnistage import LLM
 
 # Small pools and lengths keep every engine cheap to build. Block size 4 makes
 # short prompts span several full blocks, so prefix hits are real.
@@ -14,13 +14,13 @@ SMALL = {"block_size": 4, "max_model_len": 256, "num_kv_blocks": 256, "talker_ma
 GREEDY_TALKER = {"temperature": 0.0, "max_tokens": 8}
 
 
-def run_until_idle(llm: OmniLLM, max_steps: int = 10_000) -> list[Any]:
+def run_until_idle(llm: LLM, max_steps: int = 10_000) -> list[Any]:
     """Step the pipeline until nothing is left; the outputs that completed."""
     outs = []
     for _ in range(max_steps):
-        if not llm.pipeline.has_unfinished_requests():
+        if not llm.llm_engine.has_unfinished_requests():
             return outs
-        outs.extend(llm.pipeline.step())
+        outs.extend(o for o in llm.llm_engine.step() if o.finished)
     raise AssertionError("the pipeline did not go idle")
 
 
@@ -35,6 +35,6 @@ def assert_same_answer(a: Any, b: Any) -> None:
         assert a.audio.dtype == np.float32 and np.array_equal(a.audio, b.audio)
 
 
-def assert_nothing_held(llm: OmniLLM) -> None:
-    held = llm.pipeline.held()
-    assert not any(held.values()), {k: v for k, v in held.items() if v}
+def assert_nothing_held(llm: LLM) -> None:
+    held = llm.llm_engine.held()
+    assert all(h.is_empty for h in held.values()), {k: v for k, v in held.items() if not v.is_empty}

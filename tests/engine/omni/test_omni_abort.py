@@ -24,15 +24,16 @@ def _in_thinker_waiting(llm: Any) -> bool:
 
 
 def _in_thinker_running(llm: Any) -> bool:
-    return llm.pipeline.thinker.held()["thinker_batch_rows"] > 0
+    return llm.llm_engine.stages["thinker"].held().batch_rows > 0
 
 
 def _in_talker(llm: Any) -> bool:
-    return llm.pipeline.talker.held()["talker_batch_rows"] > 0 and "victim" in llm.pipeline.talker._requests
+    talker = llm.llm_engine.stages["talker"]
+    return talker.held().batch_rows > 0 and "victim" in talker.output_processor.states
 
 
 def _in_token2wav(llm: Any) -> bool:
-    return llm.pipeline.token2wav.held()["token2wav_requests"] > 0
+    return llm.llm_engine.stages["token2wav"].held().requests > 0
 
 
 WHERE: dict[str, Callable[[Any], bool]] = {
@@ -54,25 +55,25 @@ def bystander_alone(make_llm: Any) -> Any:
 def test_abort_in_any_stage_frees_everything(make_llm: Any, bystander_alone: Any, where: str) -> None:
     # The bystander arrives later so that the victim reaches each stage first.
     llm = make_llm()
-    pipeline = llm.pipeline
-    token2wav_step = pipeline.token2wav.step
+    pipeline = llm.llm_engine
+    token2wav_step = pipeline.stages["token2wav"].step
     if where == "token2wav":  # hold the queue: token2wav would otherwise take it in the same step
-        pipeline.token2wav.step = list  # type: ignore[method-assign]
+        pipeline.stages["token2wav"].step = list  # type: ignore[method-assign]
     pipeline.add_request("victim", PROMPTS["victim"], SP)
     done = []
     for _ in range(200):
         if WHERE[where](llm):
             break
-        done.extend(pipeline.step())
+        done.extend(o for o in pipeline.step() if o.finished)
     else:
         pytest.fail(f"the request never reached {where}")
-    pipeline.token2wav.step = token2wav_step  # type: ignore[method-assign]
+    pipeline.stages["token2wav"].step = token2wav_step  # type: ignore[method-assign]
     pipeline.add_request("bystander", PROMPTS["bystander"], SP)
     pipeline.abort_request("victim")
     # KV blocks are back in the pool at once; batch rows go at the stages' next step.
     held = pipeline.held()
-    assert held["thinker_kv_blocks"] == held["talker_kv_blocks"] == held["token2wav_requests"] == 0
-    assert held["pipeline_requests"] == 1  # the bystander
+    assert held["thinker"].kv_blocks == held["talker"].kv_blocks == held["token2wav"].requests == 0
+    assert held["pipeline"].requests == 1  # the bystander
     done.extend(run_until_idle(llm))
     assert [o.request_id for o in done] == ["bystander"]
     assert_same_answer(done[0], bystander_alone)
@@ -81,7 +82,7 @@ def test_abort_in_any_stage_frees_everything(make_llm: Any, bystander_alone: Any
 
 def test_abort_everything_mid_flight_then_serve_again(make_llm: Any, bystander_alone: Any) -> None:
     llm = make_llm()
-    pipeline = llm.pipeline
+    pipeline = llm.llm_engine
     for i in range(4):
         pipeline.add_request(f"r{i}", PROMPTS["victim"] + f" number {i}", SP)
     for _ in range(12):
@@ -98,7 +99,7 @@ def test_abort_everything_mid_flight_then_serve_again(make_llm: Any, bystander_a
 
 def test_exception_inside_generate_aborts_its_requests(make_llm: Any) -> None:
     llm = make_llm()
-    original = llm.pipeline.talker.step
+    original = llm.llm_engine.stages["talker"].step
     calls = {"n": 0}
 
     def failing_step() -> Any:
@@ -107,10 +108,10 @@ def test_exception_inside_generate_aborts_its_requests(make_llm: Any) -> None:
             raise KeyboardInterrupt
         return original()
 
-    llm.pipeline.talker.step = failing_step  # type: ignore[method-assign]
+    llm.llm_engine.stages["talker"].step = failing_step  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         llm.generate([PROMPTS["victim"], PROMPTS["bystander"]], SP)
-    llm.pipeline.talker.step = original  # type: ignore[method-assign]
+    llm.llm_engine.stages["talker"].step = original  # type: ignore[method-assign]
     run_until_idle(llm)
     assert_nothing_held(llm)
     out = llm.generate([PROMPTS["bystander"]], SP)[0]

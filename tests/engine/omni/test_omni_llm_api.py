@@ -1,4 +1,4 @@
-"""OmniLLM.generate: what callers get, speakers, seeds, and audio-less requests."""
+"""LLM.generate on an omni checkpoint: what callers get, speakers, seeds, and audio-less requests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from omni_utils import GREEDY_TALKER, SMALL, assert_nothing_held, assert_same_answer
 
 from omnistage.models.qwen2_5_omni import is_omni_checkpoint
-from omnistage.entrypoints.omni_llm import OmniLLM
+from omnistage import LLM
+from omnistage.engine.omni import OmniPipeline
 from omnistage.multimodal.media import write_wav
 from omnistage.sampling_params import SamplingParams
 
@@ -21,12 +22,12 @@ PROMPT = "hello there, how are you"
 
 
 @pytest.fixture(scope="module")
-def llm(make_llm: Any) -> OmniLLM:
+def llm(make_llm: Any) -> LLM:
     return make_llm()
 
 
 @pytest.fixture(scope="module")
-def chelsie(llm: OmniLLM) -> Any:
+def chelsie(llm: LLM) -> Any:
     return llm.generate(PROMPT, SP, speaker="Chelsie")[0]
 
 
@@ -39,7 +40,7 @@ def test_output_shape_and_types(chelsie: Any) -> None:
     assert out.audio.shape == (480 * len(out.extra["codec_token_ids"]),)
 
 
-def test_speaker_none_is_chelsie_and_ethan_differs(llm: OmniLLM, chelsie: Any) -> None:
+def test_speaker_none_is_chelsie_and_ethan_differs(llm: LLM, chelsie: Any) -> None:
     assert_same_answer(llm.generate(PROMPT, SP)[0], chelsie)
     ethan = llm.generate(PROMPT, SP, speaker="Ethan")[0]
     assert ethan.outputs[0].token_ids == chelsie.outputs[0].token_ids  # the text does not depend on the voice
@@ -49,16 +50,16 @@ def test_speaker_none_is_chelsie_and_ethan_differs(llm: OmniLLM, chelsie: Any) -
 def test_return_audio_false_skips_talker_and_token2wav(make_llm: Any, chelsie: Any) -> None:
     llm = make_llm()
     decoded = []
-    llm.pipeline.token2wav.token2wav = lambda *a, **k: decoded.append(a)  # type: ignore[assignment]
+    llm.llm_engine.stages["token2wav"].token2wav = lambda *a, **k: decoded.append(a)  # type: ignore[assignment]
     out = llm.generate(PROMPT, SP, return_audio=False)[0]
     assert out.audio is None and out.sample_rate is None
     assert out.outputs[0].token_ids == chelsie.outputs[0].token_ids
-    assert llm.pipeline.talker.scheduler.kv_cache_manager.stats.num_queries == 0 and not decoded
-    assert llm.pipeline.thinker.runner.num_collecting == 0  # no rows were kept for a talker
+    assert llm.llm_engine.stages["talker"].scheduler.kv_cache_manager.stats.num_queries == 0 and not decoded
+    assert llm.llm_engine.stages["thinker"].runner.num_collecting == 0  # no rows were kept for a talker
     assert_nothing_held(llm)
 
 
-def test_bad_requests_raise_and_queue_nothing(llm: OmniLLM) -> None:
+def test_bad_requests_raise_and_queue_nothing(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"unknown speaker 'Nobody'.*\['Chelsie', 'Ethan'\]"):
         llm.generate([PROMPT, "second"], SP, speaker="Nobody")
     with pytest.raises(ValueError, match="n=1 only"):
@@ -104,15 +105,15 @@ def test_sampled_talker_audio_depends_only_on_the_request(make_llm: Any) -> None
 
 def test_checkpoint_without_audio_output(omni_model: Any) -> None:
     textual = dataclasses.replace(omni_model, talker_module=None, paged_talker=None, token2wav=None)
-    llm = OmniLLM(textual, block_size=4, max_model_len=128, num_kv_blocks=64)
-    assert llm.pipeline.thinker.runner.tensor_cache is not None  # declared by the model; unused but kept
+    llm = LLM(textual, block_size=4, max_model_len=128, num_kv_blocks=64)
+    assert llm.llm_engine.stages["thinker"].runner.tensor_cache is not None  # declared by the model; unused but kept
     with pytest.raises(ValueError, match="cannot return audio"):
-        llm.generate(PROMPT, SP)
-    out = llm.generate(PROMPT, SP, return_audio=False)[0]
+        llm.generate(PROMPT, SP, return_audio=True)
+    out = llm.generate(PROMPT, SP)[0]  # return_audio=None: speak only when the model can
     assert out.audio is None and len(out.outputs[0].token_ids) == 8
 
 
-def test_chat_and_wav_file(llm: OmniLLM, tmp_path: Any) -> None:
+def test_chat_and_wav_file(llm: LLM, tmp_path: Any) -> None:
     out = llm.chat([{"role": "user", "content": "hi there"}], SP)[0]
     assert out.prompt and out.audio is not None
     path = write_wav(tmp_path / "answer.wav", out.audio, out.sample_rate)
@@ -129,7 +130,7 @@ def test_is_omni_checkpoint(omni_dir: Any, tmp_path: Any) -> None:
     assert not is_omni_checkpoint(tmp_path / "missing") and not is_omni_checkpoint(None)
 
 
-def test_short_and_stop_string_answers(llm: OmniLLM, chelsie: Any) -> None:
+def test_short_and_stop_string_answers(llm: LLM, chelsie: Any) -> None:
     one = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))[0]
     assert len(one.outputs[0].token_ids) == 1  # nothing for the talker to condition on
     assert one.audio is not None and one.audio.shape == (0,) and one.audio.dtype == np.float32
@@ -145,10 +146,8 @@ def test_short_and_stop_string_answers(llm: OmniLLM, chelsie: Any) -> None:
 
 
 def test_llm_dispatches_omni_checkpoints_to_the_pipeline(omni_dir: Any, chelsie: Any) -> None:
-    from omnistage import LLM
-
     llm = LLM(model=str(omni_dir), **SMALL, talker_params=dict(GREEDY_TALKER))
-    assert isinstance(llm, OmniLLM)
+    assert isinstance(llm.llm_engine, OmniPipeline)
     out = llm.generate(PROMPT, SP)[0]
     assert_same_answer(out, chelsie)
     assert np.array_equal(out.audio, chelsie.audio) and out.sample_rate == 24000

@@ -45,7 +45,7 @@ def _chunk(chunk: int | None) -> dict[str, int]:
 def test_second_turn_hits_and_equals_cache_off(make_llm: Any, cache_off: dict, chunk: int | None) -> None:
     llm = make_llm(**_chunk(chunk))
     outs = conversation(llm)
-    cache = llm.pipeline.thinker.runner.tensor_cache
+    cache = llm.llm_engine.stages["thinker"].runner.tensor_cache
     assert [o.num_cached_tokens > 0 for o in outs] == [False, True, False, True]
     assert cache.num_hit_requests == 2 and cache.num_hit_rows == outs[1].num_cached_tokens + outs[3].num_cached_tokens
     for ours, ref in zip(outs, cache_off[chunk]):
@@ -59,15 +59,17 @@ def test_hits_and_misses_share_one_step(make_llm: Any, cache_off: dict) -> None:
     """With the default budget the three requests of the second call are all
     admitted in the same thinker step (two hits, one miss) and merged there."""
     llm = make_llm()
-    runner = llm.pipeline.thinker.runner
-    steps: list[tuple[int, int]] = []  # (requests in the step, hits marked in it)
-    original = runner.compute_hidden_states
+    cache = llm.llm_engine.stages["thinker"].runner.tensor_cache
+    steps: list[tuple[int, int]] = []  # (requests in the step, hits merged in it)
+    original = cache.merge
 
-    def spy(step: Any, so: Any) -> Any:
-        steps.append((len(step.req_ids), len(runner.tensor_cache._hits)))
-        return original(step, so)
+    def spy(step: Any, *args: Any) -> Any:
+        before = cache.num_hit_requests
+        merged = original(step, *args)
+        steps.append((len(step.req_ids), cache.num_hit_requests - before))
+        return merged
 
-    runner.compute_hidden_states = spy  # type: ignore[method-assign]
+    cache.merge = spy  # type: ignore[method-assign]
     outs = conversation(llm)
     assert (3, 2) in steps
     for ours, ref in zip(outs, cache_off[None]):
@@ -83,7 +85,7 @@ def test_preempted_request_rebuilds_its_rows(make_llm: Any) -> None:
     roomy = make_llm().generate(tok_prompts, params)
     tight = make_llm(num_kv_blocks=40)
     outs = tight.generate(tok_prompts, params)
-    assert tight.pipeline.thinker.engine.scheduler.num_preemptions > 0
+    assert tight.llm_engine.stages["thinker"].scheduler.num_preemptions > 0
     for ours, ref in zip(outs, roomy):
         assert_same_answer(ours, ref)
     assert_nothing_held(tight)
@@ -91,7 +93,7 @@ def test_preempted_request_rebuilds_its_rows(make_llm: Any) -> None:
 
 def test_tensor_cache_off_with_a_hit_raises_instead_of_truncating(make_llm: Any) -> None:
     llm = make_llm(enable_tensor_prefix_cache=False)
-    assert llm.pipeline.thinker.runner.tensor_cache is None
+    assert llm.llm_engine.stages["thinker"].runner.tensor_cache is None
     with pytest.raises(RuntimeError, match="per-token rows for the talker, expected"):
         conversation(llm)
     run_until_idle(llm)
@@ -111,12 +113,12 @@ def test_text_only_requests_still_fill_the_cache_for_later_audio(make_llm: Any, 
 
 def test_cache_exists_only_with_prefix_caching_and_is_sized_from_the_kv_pool(make_llm: Any) -> None:
     off = make_llm(enable_prefix_caching=False)
-    assert off.pipeline.thinker.runner.tensor_cache is None
+    assert off.llm_engine.stages["thinker"].runner.tensor_cache is None
     on = make_llm(num_kv_blocks=100)
-    cache = on.pipeline.thinker.runner.tensor_cache
-    hidden = on.omni.thinker.model.hidden_size
+    cache = on.llm_engine.stages["thinker"].runner.tensor_cache
+    hidden = on.llm_engine.stages["thinker"].loaded_model.model.hidden_size
     slots = 100 * 4
     assert cache.cache.hidden_states_cache.shape == (100, 4, hidden)
     assert cache.nbytes == slots * hidden * 4 + slots  # fp32 rows + one validity flag per slot
     # The talker declares nothing: its stage has no tensor cache at all.
-    assert not hasattr(on.pipeline.talker.runner, "tensor_cache")
+    assert on.llm_engine.stages["talker"].runner.tensor_cache is None

@@ -93,7 +93,7 @@ def test_image_prompt_equals_transformers_generate(make_llm: Any, hf_model: Any)
         "prompt": "look <|vision_bos|><|IMAGE|><|vision_eos|> what?",
         "multi_modal_data": {"image": Image.fromarray(pixels)},
     }
-    inputs = llm.pipeline.thinker.engine.process_inputs("probe", prompt)
+    inputs = llm.llm_engine.stages["thinker"].process_inputs("probe", prompt)
     (image,) = inputs.mm_features
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5))[0]
     hf = hf_generate(
@@ -123,7 +123,7 @@ def test_default_talker_equals_reference_on_transformers_handoff(
         }
     else:
         prompt = "tell me something"
-    inputs = llm.pipeline.thinker.engine.process_inputs("probe", prompt)
+    inputs = llm.llm_engine.stages["thinker"].process_inputs("probe", prompt)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6), speaker="Ethan")[0]
     mm: dict[str, Any] = {}
     grids: dict[str, Any] = {}
@@ -164,6 +164,6 @@ def test_talker_preemption_and_chunked_prefill_keep_codes(make_llm: Any) -> None
     roomy = make_llm(talker_params=talker).generate(prompts, params)
     tight = make_llm(talker_params=talker, talker_num_kv_blocks=22, max_num_batched_tokens=16)
     outs = tight.generate(prompts, params)
-    assert tight.pipeline.talker.scheduler.num_preemptions > 0
+    assert tight.llm_engine.stages["talker"].scheduler.num_preemptions > 0
     for ours, ref in zip(outs, roomy):
         assert_same_answer(ours, ref)

@@ -12,7 +12,8 @@ import torch
 from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.input_batch import InputBatch
-from omnistage.worker.omni import NO_TENSOR_CACHE, StepTensorCache, TensorCachePolicy, tensor_cache_policy_of
+from omnistage.models.interface import NO_TENSOR_CACHE, TensorCachePolicy, tensor_cache_policy_of
+from omnistage.worker.tensor_prefix_cache import StepTensorCache
 
 BS = 4
 FULL = TensorCachePolicy(full_prefix_hidden=True)
@@ -146,7 +147,8 @@ def test_thinker_runner_stages_and_commits_a_models_deferred_outputs(omni_model)
     import dataclasses
 
     from omnistage.engine.arg_utils import EngineArgs
-    from omnistage.engine.omni.thinker_stage import ThinkerStage
+    from omnistage.engine.stage import StageSpec
+    from omnistage.engine.stage_engine import StageEngine
     from omnistage.models.qwen2_5_omni import ThinkerForTalkerAdapter
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, values) of every staged row
@@ -167,18 +169,18 @@ def test_thinker_runner_stages_and_commits_a_models_deferred_outputs(omni_model)
     thinker = omni_model.thinker
     loaded = dataclasses.replace(thinker, mm_adapter=NextTokenAdapter(thinker.mm_adapter.model))
     args = EngineArgs(model=thinker.model_path, block_size=BS, max_model_len=128, num_kv_blocks=64)
-    stage = ThinkerStage(args, loaded)
+    stage = StageEngine(args, loaded, StageSpec("thinker"))
     cache = stage.runner.tensor_cache
     sp = SamplingParams(temperature=0.0, max_tokens=5)
-    stage.add_request("keep", "a prompt of some twenty tokens", sp, feeds_talker=False)
-    stage.add_request("drop", "another prompt to abort", sp, feeds_talker=False)
+    stage.add_request("keep", "a prompt of some twenty tokens", sp)
+    stage.add_request("drop", "another prompt to abort", sp)
     for _ in range(3):  # both prefill in the first step, then decode
         stage.step()
     assert cache.num_staged_requests == 2
     stage.abort_request(["drop"])
     while stage.has_unfinished_requests():
         stage.step()
-    assert cache.num_staged_requests == 0 and not any(stage.held().values())
+    assert cache.num_staged_requests == 0 and stage.held().is_empty
     rows, valid = cache.cache.mm_outputs_cache["next"].view(-1), cache.cache._mm["next"].valid.view(-1)
     slots = torch.cat([s for s, _ in seen])
     values = torch.cat([v for _, v in seen]).view(-1)

@@ -1,5 +1,5 @@
 """Speech out of the OpenAI server on a whole omni checkpoint (thinker, talker,
-token2wav): the WAV it returns is the offline ``OmniLLM``'s answer for the same
+token2wav): the WAV it returns is the offline ``LLM``'s answer for the same
 prompt and settings, streamed or not; text-only requests skip the talker; bad
 audio settings are 400s that leave the server serving."""
 
@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.entrypoints.omni_llm import OmniLLM
+from omnistage import LLM
 from omnistage.entrypoints.openai import serving_chat
 from omnistage.entrypoints.openai.api_server import ServerOptions, ServerThread, build_app
 from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
@@ -55,12 +55,12 @@ def omni_server(omni_dir: Path) -> Iterator[tuple[ServerThread, Any]]:
 
 
 @pytest.fixture(scope="module")
-def offline(omni_dir: Path) -> OmniLLM:
-    return OmniLLM(omni_dir, talker_params=TALKER, **ENGINE)
+def offline(omni_dir: Path) -> LLM:
+    return LLM(str(omni_dir), talker_params=TALKER, **ENGINE)
 
 
 @pytest.fixture(scope="module")
-def reference(offline: OmniLLM) -> RequestOutput:
+def reference(offline: LLM) -> RequestOutput:
     """The offline pipeline's answer, with audio, for the same prompt and settings."""
     (out,) = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED), speaker=VOICE)
     assert out.audio is not None and out.audio.size > 0 and out.sample_rate == 24000
@@ -81,10 +81,10 @@ def _assert_pipeline_empty(app: Any, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         held = client.call_sync(lambda e: e.held())
-        if not any(held.values()) or time.monotonic() > deadline:
+        if all(h.is_empty for h in held.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    assert not any(held.values()), {k: v for k, v in held.items() if v}
+    assert all(h.is_empty for h in held.values()), {k: v for k, v in held.items() if not v.is_empty}
 
 
 def _record_request_ids(stage: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -92,9 +92,9 @@ def _record_request_ids(stage: Any, monkeypatch: pytest.MonkeyPatch) -> list[str
     ids: list[str] = []
     real_add = stage.add_request
 
-    def add_request(request: Any, *args: Any) -> None:
-        ids.append(request.request_id)
-        real_add(request, *args)
+    def add_request(request_id: str, *args: Any, **kwargs: Any) -> None:
+        ids.append(request_id)
+        real_add(request_id, *args, **kwargs)
 
     monkeypatch.setattr(stage, "add_request", add_request)
     return ids
@@ -163,8 +163,8 @@ def test_disconnect_while_speaking_frees_every_stage(
     """A client that leaves once the text is complete (its request now in the talker
     or token2wav) aborts it there: the client fixture then finds every stage empty."""
     thread, app = omni_server
-    pipeline = app.state.engine_client.engine.pipeline
-    talker, token2wav = pipeline.talker, pipeline.token2wav
+    pipeline = app.state.engine_client.engine
+    talker, token2wav = pipeline.stages["talker"], pipeline.stages["token2wav"]
     entered = _record_request_ids(talker, monkeypatch)
     vocoded = _record_request_ids(token2wav, monkeypatch)
     real_step = talker.step
@@ -196,7 +196,7 @@ def test_disconnect_while_speaking_frees_every_stage(
 def test_text_only_request_skips_the_talker(
     client: openai.OpenAI, reference: RequestOutput, omni_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    talker = omni_server[1].state.engine_client.engine.pipeline.talker
+    talker = omni_server[1].state.engine_client.engine.llm_engine.stages["talker"]
     spoken = _record_request_ids(talker, monkeypatch)
     completion = client.chat.completions.create(**_request())
     message = completion.choices[0].message
@@ -209,7 +209,7 @@ def test_text_only_request_skips_the_talker(
     assert len(spoken) == 1  # the check above would have seen a talker request
 
 
-def test_image_in_speech_out(client: openai.OpenAI, offline: OmniLLM) -> None:
+def test_image_in_speech_out(client: openai.OpenAI, offline: LLM) -> None:
     """Media parts still reach the thinker, and the talker speaks an answer to them."""
     png = base64.b64encode(png_bytes(56, 56, (10, 200, 30))).decode()
     content = [
@@ -274,7 +274,7 @@ def test_failed_talker_step_fails_the_request_and_the_pipeline_recovers(
 ) -> None:
     """A stage past the thinker fails mid-step: the request gets a 500, every
     stage lets go of it, and the next request is answered as before."""
-    runner = omni_server[1].state.engine_client.engine.pipeline.talker.runner
+    runner = omni_server[1].state.engine_client.engine.llm_engine.stages["talker"].runner
     real, fired = runner.execute_model, []
 
     def execute_model(sched_out: Any) -> Any:
