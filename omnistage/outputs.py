@@ -48,6 +48,8 @@ class RequestOutput:
     audio: object | None = None
     sample_rate: int | None = None
     extra: dict = field(default_factory=dict)
+    # Set when the request failed inside the engine (its step raised); finish_reason is "error".
+    error: str | None = None
     # What a pipeline stage hands to the next (vllm-omni's name): per-token
     # rows ("hidden_states"), a one-shot stage's outputs ("audio").
     multimodal_output: dict = field(default_factory=dict)

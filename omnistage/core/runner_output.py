@@ -25,3 +25,5 @@ class ModelRunnerOutput:
     # in from the tensor prefix cache on a hit); None when no stage reads them.
     hidden_states: dict[str, torch.Tensor] | None = None
     multimodal_outputs: dict[str, dict[str, object]] | None = None
+    # Requests of this step that failed alone (they could not join the batch), with the error.
+    failed_req_ids: dict[str, str] = field(default_factory=dict)

@@ -165,6 +165,24 @@ class OutputProcessor:
             self.children.pop(c.request.request_id, None)
         return [c.request.request_id for c in state.completions if not c.finished]
 
+    def fail_request(self, request_id: str, error: str, now: float) -> tuple[RequestOutput, list[str]]:
+        """End a user request that failed inside the engine: its output (finish
+        reason "error" on every unfinished completion) and its child ids still
+        unfinished, which the scheduler must abort."""
+        state = self.states[request_id]
+        unfinished = self.pop_request(request_id)
+        for comp in state.completions:
+            if not comp.finished:
+                comp.finish_reason, comp.stop_reason = "error", None
+        state.metrics.finished_time = now
+        out = state.to_output()
+        out.error = error
+        return out, unfinished
+
+    def parent_of(self, child_id: str) -> str | None:
+        entry = self.children.get(child_id)
+        return None if entry is None else entry[0].request_id
+
     def drop_rows(self, child_ids: Iterable[str]) -> None:
         """Forget the per-token rows gathered for preempted requests."""
         for cid in child_ids:

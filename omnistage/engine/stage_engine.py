@@ -13,6 +13,7 @@ inline; the OpenAI server queues them onto its engine thread).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from omnistage.worker.model_runner import ModelRunner
 from omnistage.worker.one_shot_runner import OneShotRunner
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType", "StageEngine"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -242,17 +245,46 @@ class StageEngine:
     # -- the loop ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the outputs that changed."""
+        """Schedule, run the model once, and return the outputs that changed.
+
+        A failure is contained: a request that cannot join the batch fails
+        alone, and if the step itself raises, the requests it ran fail (their
+        outputs finish with reason "error" and ``error`` set) while every
+        other request goes on; what the failed ones held is released.
+        """
         sched_out = self.scheduler.schedule()
         if sched_out.preempted_req_ids:
             self.output_processor.drop_rows(sched_out.preempted_req_ids)
-        runner_out = self.runner.execute_model(sched_out)
+        try:
+            runner_out = self.runner.execute_model(sched_out)
+        except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail
+            logger.exception("stage %r: a step failed; failing the %d request(s) it ran", self.spec.name,
+                             len(sched_out.num_scheduled_tokens))  # fmt: skip
+            error = f"the engine step failed ({type(exc).__name__}: {exc})"
+            return self._fail(dict.fromkeys(sched_out.num_scheduled_tokens, error))
+        failed = self._fail(runner_out.failed_req_ids) if runner_out.failed_req_ids else []
         updated = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(updated, runner_out, time.monotonic())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
         self.num_generated_tokens += len(runner_out.sampled_token_ids)
+        return failed + outputs
+
+    def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """Fail the user requests of these child ids (with their error) and abort them."""
+        outputs, children = [], []
+        now = time.monotonic()
+        for cid, error in errors.items():
+            rid = self.output_processor.parent_of(cid)
+            if rid is None:
+                continue  # already ended (another child of the same request failed first)
+            out, unfinished = self.output_processor.fail_request(rid, f"request {rid!r}: {error}", now)
+            outputs.append(out)
+            children += unfinished
+        if children:
+            self.scheduler.abort_requests(children)
+            self.runner.forget(children)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

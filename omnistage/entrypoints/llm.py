@@ -151,6 +151,8 @@ class LLM:
                         continue
                     if bar is not None:
                         bar.update(out)
+                    if out.error is not None:
+                        raise RuntimeError(out.error)
                     if out.finished:
                         results[order[out.request_id]] = out
         except BaseException:

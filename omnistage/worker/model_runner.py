@@ -108,6 +108,8 @@ class ModelRunner:
         # the requests whose per-token outputs go back each step.
         self._payloads: dict[str, Any] = {}
         self._returns_rows: set[str] = set()
+        # Requests of this step that could not join the batch (their error): they fail alone.
+        self._failed: dict[str, str] = {}
         # The declarations sit on the multimodal adapter when there is one, else on the model.
         self.stage_model = self.mm_adapter or self.model
         policy = tensor_cache_policy_of(self.stage_model)
@@ -147,29 +149,38 @@ class ModelRunner:
             # re-allocated in the same pass is never in this list).
             for mm_hash in so.free_encoder_mm_hashes:
                 self.encoder_cache.free_encoder_cache(mm_hash)
+        self._failed = {}
         for new in so.scheduled_new_reqs:
-            row = batch.add_request(
-                new.req_id,
-                new.token_ids,
-                new.num_prompt_tokens,
-                new.num_computed_tokens,
-                new.block_ids,
-                new.sampling_params,
-            )
-            parked = self._parked_generators.pop(new.req_id, None)
-            if parked is not None:
-                batch.generators[new.req_id] = parked
-            self.sampling_state.set_row(row, new.sampling_params)
-            if self.encoder_cache is not None:
-                self._add_mm_request(new, row)
-            if new.payload is not None:
-                self._payloads[new.req_id] = new.payload
-            if new.return_hidden_states:
-                self._returns_rows.add(new.req_id)
+            try:
+                self._add_new_request(new)
+            except Exception as exc:  # noqa: BLE001 - one request's bad state fails it alone
+                self._remove(new.req_id)
+                self._failed[new.req_id] = f"{type(exc).__name__}: {exc}"
         for cached in so.scheduled_cached_reqs:
             batch.update_request(cached.req_id, cached.new_block_ids, cached.num_computed_tokens)
         if self.tensor_cache is not None:
             self.tensor_cache.rows_added(so)
+
+    def _add_new_request(self, new: NewRequestData) -> None:
+        batch = self.input_batch
+        row = batch.add_request(
+            new.req_id,
+            new.token_ids,
+            new.num_prompt_tokens,
+            new.num_computed_tokens,
+            new.block_ids,
+            new.sampling_params,
+        )
+        parked = self._parked_generators.pop(new.req_id, None)
+        if parked is not None:
+            batch.generators[new.req_id] = parked
+        self.sampling_state.set_row(row, new.sampling_params)
+        if self.encoder_cache is not None:
+            self._add_mm_request(new, row)
+        if new.payload is not None:
+            self._payloads[new.req_id] = new.payload
+        if new.return_hidden_states:
+            self._returns_rows.add(new.req_id)
 
     def _add_mm_request(self, new: NewRequestData, row: int) -> None:
         """Register a request's items with the encoder cache (text prompts too:
@@ -200,9 +211,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
-        step = self.input_batch.prepare_step(so.num_scheduled_tokens)
+        num_scheduled = so.num_scheduled_tokens
+        if self._failed:
+            num_scheduled = {r: n for r, n in num_scheduled.items() if r not in self._failed}
+        if not num_scheduled:
+            return ModelRunnerOutput(failed_req_ids=dict(self._failed))
+        step = self.input_batch.prepare_step(num_scheduled)
         inputs = self.prepare_model_inputs(step, so)
         metadata = build_attention_metadata(step, self.block_size)
         hidden = self.model.forward(
@@ -219,6 +233,7 @@ class ModelRunner:
             deferred = self.stage_model.deferred_outputs(step, hidden, out)
             if deferred:
                 cache.stage_deferred(step, self.input_batch, deferred)
+        out.failed_req_ids = dict(self._failed)
         return out
 
     def prepare_model_inputs(self, step: BatchStep, so: SchedulerOutput) -> StepModelInputs:

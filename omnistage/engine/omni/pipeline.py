@@ -344,7 +344,9 @@ class OmniPipeline:
                 pending = self._pending.get(out.request_id)
                 if pending is None:
                     continue  # aborted meanwhile
-                if name == "thinker":
+                if out.error is not None:  # failed in this stage: it fails alone, everywhere
+                    self._fail(out, pending, done)
+                elif name == "thinker":
                     if out.finished:
                         self._thinker_finished(out, pending, done)
                     if out.request_id in self._pending:  # text still streaming, or audio to come
@@ -410,6 +412,12 @@ class OmniPipeline:
         pending.codes = codes
         request = Token2WavRequest(out.request_id, codes, pending.speaker, pending.seed)
         self.stages["token2wav"].add_request(out.request_id, request)
+
+    def _fail(self, out: RequestOutput, pending: _Pending, done: list[RequestOutput]) -> None:
+        final = pending.output or out  # a later stage's failure ends the thinker's finished output
+        final.error = out.error
+        self.abort_request(out.request_id)
+        done.append(final)
 
     def _finish(self, rid: str, audio: np.ndarray, done: list[RequestOutput]) -> None:
         pending = self._pending.pop(rid)

@@ -249,7 +249,10 @@ class EngineClient:
                     continue  # aborted by its client; nobody is listening
                 if out.finished:
                     del streams[out.request_id]
-                batch.append((stream, out))
+                if out.error is not None:  # it failed alone inside the engine; the others go on
+                    batch.append((stream, EngineStepError(f"{out.error}; the request was aborted")))
+                else:
+                    batch.append((stream, out))
             self._deliver(batch)
 
     def _recover_from_step_failure(self, exc: Exception, streams: dict[str, RequestStream]) -> None:
@@ -257,8 +260,6 @@ class EngineClient:
         logger.error(
             "engine step failed; failing %d request(s) in flight: %s\n%s", len(streams), exc, traceback.format_exc()
         )
-        if not streams:
-            raise RuntimeError("an engine step failed with no request in flight") from exc
         ids = list(streams)
         err = EngineStepError(f"the engine step failed ({type(exc).__name__}: {exc}); the request was aborted")
         # Callers first: they learn of the failure even if the clean-up below kills the engine.
