@@ -123,9 +123,7 @@ class TalkerStageRunner(ModelRunner):
         slots = torch.tensor([self._slot[r] for r in req_ids], device=self.device)
         logits = self._apply_codec_rules(logits, slots)
         rows = step.rows[step.seq_lens == batch.num_tokens[step.rows]]
-        md = self.sampling_state.metadata(
-            rows, req_ids, batch.num_tokens[rows] - batch.num_prompt_tokens[rows], batch.generators
-        )
+        md = self.sampling_state.metadata(batch, rows, req_ids)
         sampled = self.sampler(logits, md, self.generator).sampled_token_ids
         self._seen[slots, sampled] = True
         token_ids = sampled.tolist()
