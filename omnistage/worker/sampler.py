@@ -1,7 +1,8 @@
 """Token sampling for one step, batched over every request that samples.
 
 Penalties, suppressed tokens, min_tokens masking, greedy, temperature,
-top-k, top-p and min-p run as one vectorized pass over the ``[S, V]`` logits. Draws use the exponential-race trick
+top-k, top-p and min-p run as one vectorized pass over the ``[S, V]``
+logits. Draws use the exponential-race trick
 (``argmax(probs / q)`` with ``q ~ Exp(1)``), so a seeded request draws its
 ``q`` row from its own generator and gets the same tokens whatever else is in
 the batch; that per-row draw is the only loop over requests.
@@ -88,7 +89,8 @@ class Sampler:
     ) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.num_logprobs is not None else None
-        # transformers' order: RepetitionPenalty, then SuppressTokens, then MinNewTokens.
+        # transformers' order (RepetitionPenalty, SuppressTokens, MinNewTokens), with
+        # vLLM's frequency and presence penalties right after the repetition penalty.
         if md.penalties is not None:
             logits = md.penalties.apply(logits)
         if md.token_mask is not None:
@@ -196,7 +198,7 @@ class SamplingState:
         """Mirror ``params`` into ``row``. Raises ``ValueError`` naming the
         field, with nothing written, when a value does not fit."""
         params.validate()
-        masked_ids = self._masked_token_ids(params)
+        never = self._never_sampled(params)
         self.temperature[row] = 0.0 if params.greedy else params.temperature
         self.top_k[row] = max(params.top_k, 0)
         self.top_p[row] = params.top_p
@@ -215,28 +217,33 @@ class SamplingState:
         self.penalized[row] = params.has_penalties
         if params.has_penalties:
             self.history.reset_row(row)
-        self.masked[row] = masked_ids is not None
-        if masked_ids is not None:
+        self.masked[row] = never is not None
+        if never is not None:
             if self.token_mask is None:
                 self.token_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
-            self.token_mask[row] = masked_ids[1]
-            self.token_mask[row, masked_ids[0]] = not masked_ids[1]
+            self.token_mask[row] = never.to(self.device)
 
-    def _masked_token_ids(self, params: SamplingParams) -> tuple[torch.Tensor, bool] | None:
-        """``(ids, fill)``: the row's mask is ``fill`` everywhere but at ``ids``
-        (None when the request masks nothing). Out-of-vocabulary ids never
-        match a logit and are dropped."""
+    def _never_sampled(self, params: SamplingParams) -> torch.Tensor | None:
+        """``[V]`` bool (CPU), True at the tokens the request may never sample;
+        None when it masks nothing. Out-of-vocabulary ids never match a logit
+        and are dropped."""
         v = self.vocab_size
         if params.allowed_token_ids is not None:
-            allowed = set(t for t in params.allowed_token_ids if t < v) - set(params.suppress_token_ids)
+            allowed = [t for t in set(params.allowed_token_ids) - set(params.suppress_token_ids) if t < v]
             if not allowed:
                 raise ValueError(
                     f"SamplingParams.allowed_token_ids leaves no token below the vocabulary size {v} "
                     "that is not also suppressed"
                 )
-            return torch.tensor(sorted(allowed), dtype=torch.int64), True
-        suppressed = sorted(set(t for t in params.suppress_token_ids if t < v))
-        return (torch.tensor(suppressed, dtype=torch.int64), False) if suppressed else None
+            mask = torch.ones(v, dtype=torch.bool)
+            mask[allowed] = False
+            return mask
+        suppressed = [t for t in set(params.suppress_token_ids) if t < v]
+        if not suppressed:
+            return None
+        mask = torch.zeros(v, dtype=torch.bool)
+        mask[suppressed] = True
+        return mask
 
     def metadata(self, batch: InputBatch, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
         """Metadata for the sampling rows ``rows`` of ``batch`` (batch rows,
