@@ -173,6 +173,12 @@ class InputBatch:
     ) -> int:
         if req_id in self.req_id_to_index:
             raise ValueError(f"request {req_id!r} is already in the batch")
+        # The sampler's arrays and the request's generator take these values;
+        # a value past them is refused here, before the batch changes.
+        try:
+            sampling_params.validate()
+        except ValueError as e:
+            raise ValueError(f"request {req_id!r}: {e}") from None
         if self.num_reqs >= self.max_num_reqs:
             raise RuntimeError(f"the batch is full ({self.max_num_reqs} requests); cannot add {req_id!r}")
         if len(token_ids) > self.max_model_len:

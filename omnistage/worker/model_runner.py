@@ -314,9 +314,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self.input_batch
         rows = step.rows[step.seq_lens == batch.num_tokens[step.rows]]  # rows of sampling_req_ids
-        md = self.sampling_state.metadata(
-            rows, step.sampling_req_ids, batch.num_tokens[rows] - batch.num_prompt_tokens[rows], batch.generators
-        )
+        md = self.sampling_state.metadata(batch, rows, step.sampling_req_ids)
         sample_rows = hidden.index_select(0, step.logits_indices)
         greedy_tokens = getattr(self.model, "greedy_token_ids", None)
         if md.plain_greedy and greedy_tokens is not None:

@@ -1,7 +1,8 @@
 """Token sampling for one step, batched over every request that samples.
 
-Greedy, temperature, top-k, top-p and min-p run as one vectorized pass over
-the ``[S, V]`` logits. Draws use the exponential-race trick
+Penalties, suppressed tokens, min_tokens masking, greedy, temperature,
+top-k, top-p and min-p run as one vectorized pass over the ``[S, V]``
+logits. Draws use the exponential-race trick
 (``argmax(probs / q)`` with ``q ~ Exp(1)``), so a seeded request draws its
 ``q`` row from its own generator and gets the same tokens whatever else is in
 the batch; that per-row draw is the only loop over requests.
@@ -10,12 +11,17 @@ the batch; that per-row draw is the only loop over requests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from omnistage.kernels.argmax import first_argmax
 from omnistage.sampling_params import SamplingParams
+from omnistage.worker.penalties import PenaltyMetadata, TokenHistory, TokenMask
+
+if TYPE_CHECKING:
+    from omnistage.worker.input_batch import InputBatch
 
 _NEG_INF = float("-inf")
 
@@ -39,11 +45,19 @@ class SamplingMetadata:
     # (row, token) pairs whose logits are forced to -inf (min_tokens holds back EOS / stop ids).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    penalties: PenaltyMetadata | None = None  # repetition / presence / frequency, rows that have any
+    token_mask: TokenMask | None = None  # suppressed / not-allowed tokens, rows that have any
 
     @property
     def plain_greedy(self) -> bool:
-        """Every row takes the argmax of its raw logits: greedy, no logprobs, nothing banned."""
-        return self.all_greedy and self.num_logprobs is None and self.banned_rows is None
+        """Every row takes the argmax of its raw logits: greedy, no logprobs, no logit rule."""
+        return (
+            self.all_greedy
+            and self.num_logprobs is None
+            and self.banned_rows is None
+            and self.penalties is None
+            and self.token_mask is None
+        )
 
 
 @dataclass
@@ -58,7 +72,7 @@ class Sampler:
     """Turns ``[S, V]`` logits into one token per row.
 
     Logprobs are those of the model's raw distribution (log-softmax of the
-    logits before temperature, filtering or min_tokens masking), as vLLM and
+    logits before penalties, masking, temperature or filtering), as vLLM and
     ``transformers`` report them.
     """
 
@@ -67,6 +81,12 @@ class Sampler:
     ) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.num_logprobs is not None else None
+        # transformers' order (RepetitionPenalty, SuppressTokens, MinNewTokens), with
+        # vLLM's frequency and presence penalties right after the repetition penalty.
+        if md.penalties is not None:
+            logits = md.penalties.apply(logits)
+        if md.token_mask is not None:
+            logits = md.token_mask.apply(logits)
         if md.banned_rows is not None:
             neg_inf = torch.full((), _NEG_INF, device=logits.device)
             logits = logits.index_put((md.banned_rows, md.banned_tokens), neg_inf)
@@ -138,10 +158,16 @@ class SamplingState:
     fancy-indexing operations rather than a loop over SamplingParams. The
     owner calls :meth:`set_row` whenever a row gets a (new) request, including
     when the batch moves its last row into a freed hole.
+
+    Penalties read the row's tokens from the batch itself when it samples
+    (``TokenHistory``); suppressed / allowed tokens are a ``[rows, V]`` mask
+    written by :meth:`set_row`. Both tensors exist only once a request uses
+    them, and a step whose rows use neither builds none of their metadata.
     """
 
     def __init__(self, max_num_reqs: int, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
         self.device = device
+        self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
@@ -152,10 +178,21 @@ class SamplingState:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.banned: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.penalized = np.zeros(max_num_reqs, dtype=bool)
+        self.history = TokenHistory(max_num_reqs, vocab_size, device)
+        self.masked = np.zeros(max_num_reqs, dtype=bool)  # row has suppressed / allowed tokens
+        self.token_mask: torch.Tensor | None = None  # [max_num_reqs, V] bool, True = never sampled
 
     def set_row(self, row: int, params: SamplingParams) -> None:
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
+        """Mirror ``params`` into ``row``. Raises ``ValueError`` naming the
+        field, with nothing written, when a value does not fit."""
+        params.validate()
+        never = self._never_sampled(params)
+        self.temperature[row] = 0.0 if params.greedy else params.temperature
+        self.top_k[row] = max(params.top_k, 0)
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.min_tokens[row] = params.min_tokens
@@ -166,15 +203,43 @@ class SamplingState:
             self.banned[row] = sorted(t for t in set(eos) | set(params.stop_token_ids) if 0 <= t < self.vocab_size)
         else:
             self.banned[row] = []
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.penalized[row] = params.has_penalties
+        if params.has_penalties:
+            self.history.reset_row(row)
+        self.masked[row] = never is not None
+        if never is not None:
+            if self.token_mask is None:
+                self.token_mask = torch.zeros(self.max_num_reqs, self.vocab_size, dtype=torch.bool, device=self.device)
+            self.token_mask[row] = never.to(self.device)
 
-    def metadata(
-        self,
-        rows: np.ndarray,
-        req_ids: list[str],
-        num_output_tokens: np.ndarray,
-        generators: dict[str, torch.Generator],
-    ) -> SamplingMetadata:
-        """Metadata for the sampling rows ``rows`` (batch rows, in logits order)."""
+    def _never_sampled(self, params: SamplingParams) -> torch.Tensor | None:
+        """``[V]`` bool (CPU), True at the tokens the request may never sample;
+        None when it masks nothing. Out-of-vocabulary ids never match a logit
+        and are dropped."""
+        v = self.vocab_size
+        if params.allowed_token_ids is not None:
+            allowed = [t for t in set(params.allowed_token_ids) - set(params.suppress_token_ids) if t < v]
+            if not allowed:
+                raise ValueError(
+                    f"SamplingParams.allowed_token_ids leaves no token below the vocabulary size {v} "
+                    "that is not also suppressed"
+                )
+            mask = torch.ones(v, dtype=torch.bool)
+            mask[allowed] = False
+            return mask
+        suppressed = [t for t in set(params.suppress_token_ids) if t < v]
+        if not suppressed:
+            return None
+        mask = torch.zeros(v, dtype=torch.bool)
+        mask[suppressed] = True
+        return mask
+
+    def metadata(self, batch: InputBatch, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
+        """Metadata for the sampling rows ``rows`` of ``batch`` (batch rows,
+        in logits order; ``req_ids`` are their requests)."""
         dev = self.device
         temp = self.temperature[rows]
         greedy = temp == 0.0
@@ -196,14 +261,48 @@ class SamplingState:
             if min_p.any():
                 md.min_p = torch.from_numpy(min_p).to(dev)
             for i in np.flatnonzero(self.seeded[rows] & ~greedy):
-                md.generators[int(i)] = generators[req_ids[i]]
+                md.generators[int(i)] = batch.generators[req_ids[i]]
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             md.num_logprobs = num_logprobs.tolist()
+        num_output_tokens = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
         held = np.flatnonzero(self.min_tokens[rows] > num_output_tokens)
         pairs = [(int(i), t) for i in held for t in self.banned[rows[i]]]
         if pairs:
             r, t = zip(*pairs)
             md.banned_rows = torch.tensor(r, dtype=torch.int64, device=dev)
             md.banned_tokens = torch.tensor(t, dtype=torch.int64, device=dev)
+        pen = self.penalized[rows]
+        if pen.any():
+            md.penalties = self._penalties(batch, rows, pen)
+        masked = self.masked[rows]
+        if masked.any():
+            assert self.token_mask is not None
+            index, row_t = self._subset(rows, masked)
+            md.token_mask = TokenMask(index, self.token_mask.index_select(0, row_t))
         return md
+
+    def _subset(self, rows: np.ndarray, on: np.ndarray) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(positions among the step's rows, or None for all; their batch rows), on the device."""
+        index = None if on.all() else torch.from_numpy(np.flatnonzero(on)).to(self.device)
+        return index, torch.from_numpy(rows[on]).to(self.device)
+
+    def _penalties(self, batch: InputBatch, rows: np.ndarray, pen: np.ndarray) -> PenaltyMetadata:
+        h = self.history
+        h.sync(rows[pen], batch.token_ids_cpu, batch.num_tokens, batch.num_prompt_tokens)
+        assert h.output_counts is not None and h.prompt_mask is not None
+        index, row_t = self._subset(rows, pen)
+        prows = rows[pen]
+
+        def per_row(values: np.ndarray, neutral: float) -> torch.Tensor | None:
+            v = values[prows]
+            return torch.from_numpy(v).to(self.device) if (v != neutral).any() else None
+
+        return PenaltyMetadata(
+            index=index,
+            output_counts=h.output_counts.index_select(0, row_t),
+            prompt_mask=h.prompt_mask.index_select(0, row_t),
+            repetition=per_row(self.repetition_penalty, 1.0),
+            presence=per_row(self.presence_penalty, 0.0),
+            frequency=per_row(self.frequency_penalty, 0.0),
+        )

@@ -148,3 +148,18 @@ def test_forget_drops_the_parked_generator_of_a_preempted_request(tiny):
     assert "s" in runner._parked_generators and runner.input_batch.num_reqs == 0
     runner.forget(["s"])  # aborted while waiting: the scheduler never reports it to the worker
     assert not runner._parked_generators
+
+
+def test_a_sampling_value_past_the_state_is_refused_before_the_batch_changes(tiny):
+    """Issue 13, defect 1: top_k past int64 raised OverflowError writing the
+    sampler's arrays after the request took a batch row, which it kept."""
+    loaded, _ = tiny
+    runner = _runner(loaded)
+    bad = SamplingParams(temperature=1.0)
+    bad.top_k = 10**20  # past validation at construction; the runner checks again
+    with pytest.raises(ValueError, match=r"'x'.*SamplingParams\.top_k must be"):
+        runner.execute_model(_out(new=[NewRequestData("x", [5, 6, 7], 3, bad, [0], 0)], sched={"x": 3}))
+    assert runner.input_batch.num_reqs == 0 and not runner.input_batch.req_id_to_index
+    greedy = SamplingParams(temperature=0.0)
+    out = runner.execute_model(_out(new=[NewRequestData("y", [5, 6, 7], 3, greedy, [0], 0)], sched={"y": 3}))
+    assert out.req_ids == ["y"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from omnistage.sampling_params import SamplingParams
+from omnistage.worker.input_batch import InputBatch
 from omnistage.worker.sampler import Sampler, SamplingState, apply_top_k_top_p
 
 V = 50
@@ -14,19 +15,17 @@ EOS = 7
 
 
 def _metadata(params: list[SamplingParams], num_output: list[int] | None = None, order: list[int] | None = None):
-    """Metadata for ``params`` placed in rows ``order`` (default 0..n-1)."""
-    state = SamplingState(max_num_reqs=16, vocab_size=V, eos_token_ids=[EOS], device=torch.device("cpu"))
+    """Metadata for ``params`` placed in rows ``order`` (default 0..n-1) of a batch
+    whose rows hold a 3-token prompt and ``num_output`` generated tokens."""
     order = order or list(range(len(params)))
-    gens: dict[str, torch.Generator] = {}
-    req_ids = []
-    for row, p in zip(order, params):
+    batch = InputBatch(max_num_reqs=16, max_model_len=64, block_size=4)
+    state = SamplingState(max_num_reqs=16, vocab_size=V, eos_token_ids=[EOS], device=torch.device("cpu"))
+    by_row = dict(zip(order, zip(params, num_output or [0] * len(params))))
+    for row in range(max(order) + 1):  # fillers keep the batch dense up to the highest row
+        p, n = by_row.get(row, (SamplingParams(), 0))
+        assert batch.add_request(f"r{row}", [1, 2, 3] + [4] * n, 3, 0, [], p) == row
         state.set_row(row, p)
-        rid = f"r{row}"
-        req_ids.append(rid)
-        if p.seed is not None:
-            gens[rid] = torch.Generator().manual_seed(p.seed)
-    outs = np.array(num_output or [0] * len(params))
-    return state.metadata(np.array(order), req_ids, outs, gens)
+    return state.metadata(batch, np.array(order), [f"r{row}" for row in order])
 
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:
@@ -89,8 +88,10 @@ def test_min_p_drops_unlikely_tokens():
 def test_distribution_matches_softmax():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     state = SamplingState(4, 3, [], torch.device("cpu"))
+    batch = InputBatch(4, 8, 4)
+    batch.add_request("a", [0], 1, 0, [], SamplingParams(temperature=1.0))
     state.set_row(0, SamplingParams(temperature=1.0))
-    md = state.metadata(np.array([0]), ["a"], np.array([0]), {})
+    md = state.metadata(batch, np.array([0]), ["a"])
     gen = torch.Generator().manual_seed(0)
     counts = np.bincount([int(Sampler()(logits, md, gen).sampled_token_ids[0]) for _ in range(3000)], minlength=3)
     assert np.allclose(counts / 3000, [0.7, 0.2, 0.1], atol=0.04)
