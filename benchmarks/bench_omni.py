@@ -40,7 +40,7 @@ import torch
 
 from omnistage.engine.omni.loader import OmniModel, load_qwen2_5_omni
 from omnistage.entrypoints.omni_llm import OmniLLM
-from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 from omnistage.sampling_params import SamplingParams
 
 BLOCK = 16

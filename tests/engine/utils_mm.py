@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnistage.models.tiny_mm_checkpoints import (
+from omnistage.testing.tiny_mm_checkpoints import (
     hf_reference_inputs,
     write_tiny_qwen2_5_omni_thinker,
     write_tiny_qwen2_5_vl,

@@ -16,7 +16,7 @@ from omnistage.models.qwen2_5_omni_talker import (
     ThinkerOutputForTalker,
     handoff_from_hf_generate,
 )
-from omnistage.models.tiny_omni_checkpoint import (
+from omnistage.testing.tiny_omni_checkpoint import (
     SPEAKER_BOS_TOKEN_IDS,
     TALKER_EOS_TOKEN_IDS,
     hf_generate_capturing_stages,
@@ -113,7 +113,7 @@ CASES = [
 
 
 def test_checkpoint_loads_with_speakers_and_matches_thinker_checkpoint(model: Any, tmp_path: Any) -> None:
-    from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
+    from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
 
     assert set(model.speaker_map) == {"Chelsie", "Ethan"}
     assert model.speaker_map["Chelsie"]["bos_token"] == SPEAKER_BOS_TOKEN_IDS["Chelsie"]

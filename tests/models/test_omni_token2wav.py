@@ -10,7 +10,7 @@ import torch
 
 from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker, handoff_from_hf_generate
 from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
-from omnistage.models.tiny_omni_checkpoint import (
+from omnistage.testing.tiny_omni_checkpoint import (
     SAMPLE_RATE,
     SPEAKER_BOS_TOKEN_IDS,
     TALKER_EOS_TOKEN_IDS,

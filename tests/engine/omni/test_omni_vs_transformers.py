@@ -14,7 +14,7 @@ import torch
 from omni_utils import assert_same_answer
 
 from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker, handoff_from_hf_generate
-from omnistage.models.tiny_omni_checkpoint import (
+from omnistage.testing.tiny_omni_checkpoint import (
     SPEAKER_BOS_TOKEN_IDS,
     hf_generate_capturing_stages,
 )

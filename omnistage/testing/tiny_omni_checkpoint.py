@@ -132,7 +132,7 @@ def write_tiny_qwen2_5_omni(path: str | os.PathLike, seed: int = 0) -> Path:
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
 
-    from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
+    from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omnistage.models.tiny_mm_checkpoints import (
+from omnistage.testing.tiny_mm_checkpoints import (
     OMNI_SPECIAL_TOKENS,
     VL_SPECIAL_TOKENS,
     write_tiny_qwen2_5_omni_thinker,
@@ -101,7 +101,7 @@ def test_full_omni_checkpoint_serves_through_processor_and_adapter(tmp_path):
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     from omnistage.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerAdapter
-    from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+    from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
     from omnistage.multimodal.processing import MultiModalProcessor
 
     path = write_tiny_qwen2_5_omni(tmp_path / "omni")
