@@ -22,7 +22,6 @@ import torch
 __all__ = [
     "OMNI_SPECIAL_TOKENS",
     "VL_SPECIAL_TOKENS",
-    "hf_reference_inputs",
     "write_tiny_qwen2_5_omni_thinker",
     "write_tiny_qwen2_5_vl",
 ]
@@ -304,40 +303,3 @@ def write_tiny_qwen2_5_omni_thinker(path: str | os.PathLike, seed: int = 0) -> s
     model = Qwen2_5OmniThinkerForConditionalGeneration(config).to(torch.float32)
     _save_model(model, path)
     return path
-
-
-def hf_reference_inputs(model: Any, out: Any, ids: torch.Tensor) -> dict[str, Any]:
-    """transformers' forward / ``generate`` keyword arguments for a processed prompt
-    (an ``omnistage.multimodal.processing.ProcessedPrompt``) whose tokens are ``ids``
-    ``[1, T]``: what tests compare omnistage against, for Qwen2.5-VL and the
-    Qwen2.5-Omni thinker. Audio features of several items are padded into one batch."""
-
-    def cat(modality: str, key: str) -> torch.Tensor | None:
-        values = [f.data[key] for f in out.mm_features if f.modality == modality]
-        return torch.cat(values) if values else None
-
-    kwargs: dict[str, Any] = dict(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        pixel_values=cat("image", "pixel_values"),
-        image_grid_thw=cat("image", "image_grid_thw"),
-        pixel_values_videos=cat("video", "pixel_values_videos"),
-        video_grid_thw=cat("video", "video_grid_thw"),
-    )
-    if model.config.model_type == "qwen2_5_vl":
-        token_type = torch.zeros_like(ids)
-        token_type[ids == model.config.image_token_id] = 1
-        token_type[ids == model.config.video_token_id] = 2
-        kwargs.update(mm_token_type_ids=token_type, second_per_grid_ts=cat("video", "second_per_grid_ts"))
-    else:
-        audio = [f.data["input_features"] for f in out.mm_features if f.modality == "audio"]
-        if audio:
-            n = max(a.shape[1] for a in audio)
-            feats = torch.zeros(len(audio), audio[0].shape[0], n)
-            mask = torch.zeros(len(audio), n, dtype=torch.long)
-            for k, a in enumerate(audio):
-                feats[k, :, : a.shape[1]] = a
-                mask[k, : a.shape[1]] = 1
-            kwargs.update(input_features=feats, feature_attention_mask=mask)
-        kwargs.update(video_second_per_grid=cat("video", "second_per_grid_ts"))
-    return {k: v for k, v in kwargs.items() if v is not None}

@@ -39,7 +39,6 @@ __all__ = [
     "SAMPLE_RATE",
     "SPEAKER_BOS_TOKEN_IDS",
     "TALKER_EOS_TOKEN_IDS",
-    "hf_generate_capturing_stages",
     "write_tiny_qwen2_5_omni",
 ]
 
@@ -178,36 +177,3 @@ def write_tiny_qwen2_5_omni(path: str | os.PathLike, seed: int = 0) -> Path:
     }
     torch.save(speakers, path / "spk_dict.pt")
     return path
-
-
-def hf_generate_capturing_stages(model: Any, input_ids: torch.Tensor, seed: int = 0, **kwargs: Any) -> dict[str, Any]:
-    """transformers' ``model.generate`` with a greedy talker after ``torch.manual_seed(seed)``, for tests.
-
-    Returns what that one call passed between its stages: ``thinker`` (the
-    thinker's ``generate`` result), ``talker_kwargs`` (the talker's inputs,
-    cloned) and ``talker`` (its output), plus ``codes`` (the talker's new
-    codes up to its first EOS), ``sequences`` and ``wav``.
-    """
-    seen: dict[str, Any] = {}
-    thinker_generate, talker_generate = model.thinker.generate, model.talker.generate
-
-    def thinker_wrapper(**kw: Any) -> Any:
-        seen["thinker"] = thinker_generate(**kw)
-        return seen["thinker"]
-
-    def talker_wrapper(**kw: Any) -> Any:
-        seen["talker_kwargs"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}
-        seen["talker"] = talker_generate(**kw)
-        return seen["talker"]
-
-    model.thinker.generate, model.talker.generate = thinker_wrapper, talker_wrapper
-    try:
-        torch.manual_seed(seed)
-        sequences, wav = model.generate(
-            input_ids, talker_do_sample=False, talker_eos_token_id=TALKER_EOS_TOKEN_IDS, **kwargs
-        )
-    finally:
-        del model.thinker.generate, model.talker.generate
-    codes = seen["talker"][0, seen["talker_kwargs"]["input_ids"].shape[1] :].tolist()
-    stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
-    return {**seen, "codes": codes[:stop], "sequences": sequences, "wav": wav}
