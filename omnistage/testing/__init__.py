@@ -18,6 +18,10 @@ writes), with fixed-seed random weights small enough for a CPU. Point
   reference: the keyword arguments of its forward / ``generate`` for a
   prompt omnistage processed, and what its Qwen2.5-Omni ``generate`` passes
   between the stages.
+- :mod:`~omnistage.testing.hf_processors`: transformers' Qwen2.5-VL /
+  Qwen2.5-Omni processors, video included, without torchvision; rewrite a
+  folder's processor files with transformers' own ``save_pretrained`` in the
+  transformers 5 or the legacy layout.
 
 Nothing in the engine imports this package; it needs ``transformers`` and
 ``tokenizers`` (already omnistage dependencies) and, for
@@ -33,10 +37,15 @@ Example::
 """
 
 from omnistage.testing.tiny_checkpoints import TINY_ARCHS, build_tiny_tokenizer, write_tiny_checkpoint
-from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
+from omnistage.testing.tiny_mm_checkpoints import (
+    PROCESSOR_LAYOUTS,
+    write_tiny_qwen2_5_omni_thinker,
+    write_tiny_qwen2_5_vl,
+)
 from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 
 __all__ = [
+    "PROCESSOR_LAYOUTS",
     "TINY_ARCHS",
     "build_tiny_tokenizer",
     "write_tiny_checkpoint",

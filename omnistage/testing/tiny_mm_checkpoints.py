@@ -4,7 +4,12 @@ Each writer saves a folder that loads like the published checkpoint:
 ``config.json`` + ``model.safetensors`` (random weights, fixed seed, via
 ``save_pretrained``), a byte-level BPE tokenizer built locally whose special
 tokens sit at the ids the config names, a chat template, and the
-image / video / audio preprocessor configs. Sizes follow transformers' own
+image / video / audio processor settings. Those are written in the layout
+transformers 5's ``ProcessorMixin.save_pretrained`` writes (one
+``processor_config.json`` with ``image_processor`` / ``video_processor`` /
+``feature_extractor`` blocks) unless ``processor_layout="legacy"`` asks for
+the transformers 4 files most published checkpoints carry
+(``preprocessor_config.json``, ``video_preprocessor_config.json``). Sizes follow transformers' own
 model tests (hidden 32, 2 layers, 4 heads) but keep the real models'
 structure: spatial merge 2, windowed vision attention, M-RoPE sections,
 128 mel bins. The whole Qwen2.5-Omni model (talker, token2wav, speakers) is
@@ -15,16 +20,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 __all__ = [
     "OMNI_SPECIAL_TOKENS",
+    "PROCESSOR_LAYOUTS",
     "VL_SPECIAL_TOKENS",
     "write_tiny_qwen2_5_omni_thinker",
     "write_tiny_qwen2_5_vl",
 ]
+
+ProcessorLayout = Literal["nested", "legacy"]
+PROCESSOR_LAYOUTS: tuple[ProcessorLayout, ...] = ("nested", "legacy")
 
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -124,6 +133,26 @@ def _write_json(path: str, name: str, data: dict[str, Any]) -> None:
         json.dump(data, f, indent=2, sort_keys=True)
 
 
+def _check_layout(layout: str) -> None:
+    if layout not in PROCESSOR_LAYOUTS:
+        raise ValueError(f"processor_layout {layout!r}: expected one of {PROCESSOR_LAYOUTS}")
+
+
+def _write_processor_settings(
+    path: str, processor_class: str, blocks: dict[str, dict[str, Any]], layout: ProcessorLayout
+) -> None:
+    """Write the sub-processors' settings (``blocks`` keyed ``image_processor``,
+    ``video_processor``, ``feature_extractor``) in ``layout``."""
+    if layout == "nested":
+        _write_json(path, "processor_config.json", {**blocks, "processor_class": processor_class})
+        return
+    # image processor and audio feature extractor share one file, as in the
+    # published Qwen2.5-Omni checkpoint
+    flat = {**blocks.get("feature_extractor", {}), **blocks["image_processor"], "processor_class": processor_class}
+    _write_json(path, "preprocessor_config.json", flat)
+    _write_json(path, "video_preprocessor_config.json", {**blocks["video_processor"], "processor_class": processor_class})
+
+
 def _vision_processor_config(image_processor_type: str, min_tokens: int, max_tokens: int) -> dict[str, Any]:
     """Qwen2-VL image/video processor settings; the pixel limits are given in
     merged tokens (28x28 squares)."""
@@ -187,11 +216,15 @@ def _save_model(model: torch.nn.Module, path: str) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
-def write_tiny_qwen2_5_vl(path: str | os.PathLike, seed: int = 0) -> str:
+def write_tiny_qwen2_5_vl(
+    path: str | os.PathLike, seed: int = 0, processor_layout: ProcessorLayout = "nested"
+) -> str:
     """A tiny ``Qwen2_5_VLForConditionalGeneration`` checkpoint. Images are
-    resized to 4..64 merged tokens, video frames to 4..16 per frame pair."""
+    resized to 4..64 merged tokens, video frames to 4..16 per frame pair;
+    ``processor_layout`` picks the processor files (see the module docstring)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    _check_layout(processor_layout)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     ids = _write_tokenizer(
@@ -217,12 +250,11 @@ def write_tiny_qwen2_5_vl(path: str | os.PathLike, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     _save_model(model, path)
-    image = _vision_processor_config("image_processor_type", 4, 64)
-    image["processor_class"] = "Qwen2_5_VLProcessor"
-    _write_json(path, "preprocessor_config.json", image)
-    video = _vision_processor_config("video_processor_type", 4, 16)
-    video["processor_class"] = "Qwen2_5_VLProcessor"
-    _write_json(path, "video_preprocessor_config.json", video)
+    blocks = {
+        "image_processor": _vision_processor_config("image_processor_type", 4, 64),
+        "video_processor": _vision_processor_config("video_processor_type", 4, 16),
+    }
+    _write_processor_settings(path, "Qwen2_5_VLProcessor", blocks, processor_layout)
     return path
 
 
@@ -257,7 +289,7 @@ def _thinker_config(ids: dict[str, int]) -> Any:
     )
 
 
-def _write_omni_processor_files(path: str) -> dict[str, int]:
+def _write_omni_processor_files(path: str, layout: ProcessorLayout) -> dict[str, int]:
     from transformers import WhisperFeatureExtractor
 
     ids = _write_tokenizer(
@@ -274,29 +306,30 @@ def _write_omni_processor_files(path: str) -> dict[str, int]:
         },
         _OMNI_TEMPLATE,
     )
-    # One preprocessor_config.json holds the image processor and the audio
-    # feature extractor settings, as in the published Qwen2.5-Omni checkpoint.
     audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400)
     audio_dict = {k: v for k, v in audio.to_dict().items() if k != "mel_filters"}
     audio_dict["return_attention_mask"] = True
-    config = {**audio_dict, **_vision_processor_config("image_processor_type", 4, 64)}
-    config["processor_class"] = "Qwen2_5OmniProcessor"
-    _write_json(path, "preprocessor_config.json", config)
-    video = _vision_processor_config("video_processor_type", 4, 16)
-    video["processor_class"] = "Qwen2_5OmniProcessor"
-    _write_json(path, "video_preprocessor_config.json", video)
+    blocks = {
+        "feature_extractor": audio_dict,
+        "image_processor": _vision_processor_config("image_processor_type", 4, 64),
+        "video_processor": _vision_processor_config("video_processor_type", 4, 16),
+    }
+    _write_processor_settings(path, "Qwen2_5OmniProcessor", blocks, layout)
     return ids
 
 
-def write_tiny_qwen2_5_omni_thinker(path: str | os.PathLike, seed: int = 0) -> str:
+def write_tiny_qwen2_5_omni_thinker(
+    path: str | os.PathLike, seed: int = 0, processor_layout: ProcessorLayout = "nested"
+) -> str:
     """A tiny ``Qwen2_5OmniThinkerForConditionalGeneration`` checkpoint
     (``model_type`` ``qwen2_5_omni_thinker``) with image, video and audio
-    towers and the Qwen2.5-Omni processor files."""
+    towers and the Qwen2.5-Omni processor files in ``processor_layout``."""
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
+    _check_layout(processor_layout)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    ids = _write_omni_processor_files(path)
+    ids = _write_omni_processor_files(path, processor_layout)
     config = _thinker_config(ids)
     config.architectures = ["Qwen2_5OmniThinkerForConditionalGeneration"]
     torch.manual_seed(seed)

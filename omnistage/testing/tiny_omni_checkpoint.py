@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from omnistage.testing.tiny_mm_checkpoints import ProcessorLayout, write_tiny_qwen2_5_omni_thinker
+
 __all__ = [
     "CODEC_VOCAB_SIZE",
     "SAMPLE_RATE",
@@ -122,8 +124,11 @@ _TOKEN2WAV_CONFIG: dict[str, Any] = {
 }
 
 
-def write_tiny_qwen2_5_omni(path: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the tiny Qwen2.5-Omni checkpoint to ``path`` and return it."""
+def write_tiny_qwen2_5_omni(
+    path: str | os.PathLike, seed: int = 0, processor_layout: ProcessorLayout = "nested"
+) -> Path:
+    """Write the tiny Qwen2.5-Omni checkpoint to ``path`` and return it
+    (``processor_layout``: see ``tiny_mm_checkpoints``)."""
     from transformers import (
         Qwen2_5OmniConfig,
         Qwen2_5OmniForConditionalGeneration,
@@ -131,11 +136,9 @@ def write_tiny_qwen2_5_omni(path: str | os.PathLike, seed: int = 0) -> Path:
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
 
-    from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    write_tiny_qwen2_5_omni_thinker(path, seed=seed)  # tokenizer, processor files, thinker weights
+    write_tiny_qwen2_5_omni_thinker(path, seed=seed, processor_layout=processor_layout)  # tokenizer, processor files, thinker weights
     thinker_config = Qwen2_5OmniThinkerConfig.from_pretrained(path)
     thinker_state = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).state_dict()
 
