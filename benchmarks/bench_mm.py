@@ -36,7 +36,7 @@ from PIL import Image
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.stage_engine import LLMEngine
 from omnistage.models.loader import load_model
-from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_vl
+from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_vl
 from omnistage.sampling_params import SamplingParams
 
 MAX_IMAGE_TOKENS = 1024  # merged 28x28 squares per image

@@ -40,7 +40,7 @@ import torch
 
 from omnistage.models.qwen2_5_omni import OmniModel, load_qwen2_5_omni
 from omnistage import LLM
-from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 from omnistage.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -48,15 +48,15 @@ positions are ``0, 1, 2, ...`` on all axes, while rows of a left-padded batch
 both. ``Qwen2_5OmniTalker`` follows the model as designed by default;
 ``match_transformers_unpadded=True`` reproduces the 5.24 single-request path.
 
-``Qwen2_5OmniTalker`` does this with the HF modules and a ``DynamicCache``
-(the reference). The pieces an engine needs are separate methods:
+``Qwen2_5OmniTalker`` holds the pieces an engine needs as separate methods:
 ``prepare`` (per-request prompt, once), ``decode_inputs`` (per step, one
 gather), ``forward`` (projection + decoder + codec head on ``inputs_embeds``).
+The one-request greedy reference loop over them (HF modules and a
+``DynamicCache``) is ``omnistage.testing.hf_reference.talker_greedy_codes``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,6 @@ __all__ = [
     "Qwen2_5OmniTalker",
     "TalkerPrompt",
     "ThinkerOutputForTalker",
-    "handoff_from_hf_generate",
     "thinker_states_for_talker",
 ]
 
@@ -155,22 +154,9 @@ class Qwen2_5OmniTalker:
         self.text_embeddings = text_embeddings
         self.codec_bos = int(self.config.tts_codec_start_token_id)
         self.codec_pad = int(self.config.tts_codec_pad_token_id)
-        self.codec_end = int(self.config.tts_codec_end_token_id)
         self.codec_mask = int(self.config.tts_codec_mask_token_id)
         self.text_end = int(self.config.tts_text_end_token_id)
         self.text_pad = int(self.config.tts_text_pad_token_id)
-        # generate()'s default talker_eos_token_id [8292, 8294] = [codec_pad, codec_end]
-        self.default_eos_token_ids = (self.codec_pad, self.codec_end)
-
-    @classmethod
-    def from_omni_model(cls, model: Any, match_transformers_unpadded: bool = False) -> Qwen2_5OmniTalker:
-        """From a full model with ``speaker_map`` loaded (``from_pretrained``)."""
-        ids = {int(p["bos_token"]) for p in model.speaker_map.values()}
-        ids |= {int(model.talker.config.tts_text_end_token_id), int(model.talker.config.tts_text_pad_token_id)}
-        table = model.thinker.get_input_embeddings()
-        with torch.no_grad():
-            rows = {i: table(torch.tensor([i], device=table.weight.device))[0].clone() for i in sorted(ids)}
-        return cls(model.talker, rows, match_transformers_unpadded)
 
     @property
     def device(self) -> torch.device:
@@ -230,76 +216,3 @@ class Qwen2_5OmniTalker:
         codec logits ``[B, L, vocab]`` (projection, decoder, codec head)."""
         out = self.talker(inputs_embeds=inputs_embeds, position_ids=positions, cache=cache, use_cache=True)
         return out.logits
-
-    @torch.no_grad()
-    def generate(
-        self,
-        handoff: ThinkerOutputForTalker,
-        speaker_bos_token_id: int,
-        max_new_tokens: int,
-        eos_token_ids: Sequence[int] | None = None,
-        repetition_penalty: float = 1.0,
-    ) -> list[int]:
-        """Greedy codec tokens for one request, EOS excluded (reference path,
-        equal to ``generate(..., talker_do_sample=False)``)."""
-        from transformers import DynamicCache
-
-        eos = set(self.default_eos_token_ids if eos_token_ids is None else eos_token_ids)
-        prompt = self.prepare(handoff, speaker_bos_token_id)
-        cache = DynamicCache(config=self.config)
-        seen = list(prompt.prompt_codec_ids)
-        codes: list[int] = []
-        logits = self.forward(prompt.prefill_embeds[None], prompt.positions[:, None], cache)[0, -1]
-        for step in range(max_new_tokens):
-            code = self._greedy(logits, seen, repetition_penalty)
-            if code in eos:
-                break
-            codes.append(code)
-            seen.append(code)
-            if step + 1 == max_new_tokens:
-                break
-            index = prompt.num_prompt_tokens + step
-            row = prompt.reply[min(step, prompt.reply.shape[0] - 1)]
-            embeds = self.decode_inputs(torch.tensor([code], device=self.device), row[None])
-            position = torch.full((3, 1, 1), index + prompt.rope_delta, device=self.device)
-            logits = self.forward(embeds[None], position, cache)[0, -1]
-        return codes
-
-    def _greedy(self, logits: torch.Tensor, seen: list[int], repetition_penalty: float) -> int:
-        scores = logits.clone()
-        if repetition_penalty != 1.0:
-            ids = torch.tensor(seen, device=scores.device)
-            picked = scores.gather(0, ids)
-            picked = torch.where(picked < 0, picked * repetition_penalty, picked / repetition_penalty)
-            scores.scatter_(0, ids, picked)
-        scores[self.codec_bos] = float("-inf")  # generate(..., suppress_tokens=[codec_bos])
-        return int(torch.argmax(scores))
-
-
-def handoff_from_hf_generate(
-    model: Any,
-    input_ids: torch.Tensor,
-    thinker_result: Any,
-    request_id: str = "0",
-    **mm: Any,
-) -> ThinkerOutputForTalker:
-    """The hand-off for batch row 0, computed from a thinker ``generate``
-    result run with ``output_hidden_states=True, return_dict_in_generate=True``
-    (the reference the engine's thinker stage must match). ``mm`` takes the
-    grid fields of ``ThinkerOutputForTalker``; placeholder tokens of every
-    modality are treated as multimodal."""
-    cfg = model.config.thinker_config
-    steps = thinker_result.hidden_states
-    embeds = torch.cat([step[0][0] for step in steps])  # [P + G - 1, D]
-    hidden = torch.cat([step[-1][0] for step in steps])
-    token_ids = torch.cat([input_ids[0], thinker_result.sequences[0, input_ids.shape[1] :]])[: embeds.shape[0]]
-    placeholders = torch.tensor([cfg.audio_token_index, cfg.image_token_index, cfg.video_token_index])
-    is_mm = torch.isin(token_ids.cpu(), placeholders).to(embeds.device)
-    states = thinker_states_for_talker(hidden, embeds, is_mm)
-    return ThinkerOutputForTalker(
-        request_id=request_id,
-        prompt_token_ids=input_ids[0].tolist(),
-        output_token_ids=thinker_result.sequences[0, input_ids.shape[1] :].tolist(),
-        thinker_states=states,
-        **mm,
-    )

@@ -44,10 +44,6 @@ class Qwen2_5OmniToken2Wav:
         self.vocoder = token2wav.code2wav_bigvgan_model
         self.speakers = speakers
 
-    @classmethod
-    def from_omni_model(cls, model: Any) -> Qwen2_5OmniToken2Wav:
-        return cls(model.token2wav, model.speaker_map)
-
     @property
     def device(self) -> torch.device:
         return self.dit.proj_out.weight.device

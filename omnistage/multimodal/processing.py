@@ -23,6 +23,7 @@ import torch
 from omnistage.multimodal.hashing import hash_audio, hash_image, hash_video
 from omnistage.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from omnistage.multimodal.media import load_audio, load_image, load_video
+from omnistage.multimodal.processor_config import processor_settings
 from omnistage.multimodal.video_processing import QwenVideoPreprocessor
 
 __all__ = ["MultiModalProcessor", "ProcessedPrompt", "audio_output_length"]
@@ -35,8 +36,9 @@ _OPTION_KEYS = {
 }
 _KWARGS_NAMES = {"images_kwargs": "image", "videos_kwargs": "video", "audio_kwargs": "audio"}
 # Qwen2.5-Omni's processor passes this video size to the video processor
-# whatever the checkpoint's config says; used when the checkpoint has no
-# video_preprocessor_config.json (the published one has none).
+# whatever the checkpoint's config says; used when the checkpoint has no video
+# processor settings of its own (the published one has none: its video
+# processor reads the image processor's preprocessor_config.json).
 _OMNI_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
 _MAX_AUDIO_SECONDS = 30  # the feature extractor's window; longer clips are refused, not truncated
 
@@ -73,9 +75,13 @@ class MultiModalProcessor:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
-        self.video_processor = QwenVideoPreprocessor.from_pretrained(path)
-        has_video_config = os.path.isfile(os.path.join(path, "video_preprocessor_config.json"))
-        if self.is_omni and not has_video_config:
+        # image and audio: transformers' own loaders, which read both layouts;
+        # video: ours (no torchvision), reading them in the same precedence
+        video_settings = processor_settings(path, "video")
+        self.video_processor = (
+            QwenVideoPreprocessor.from_dict(video_settings.values) if video_settings else QwenVideoPreprocessor()
+        )
+        if self.is_omni and (video_settings is None or video_settings.borrowed):
             self.video_processor = self.video_processor.with_options({"size": dict(_OMNI_VIDEO_SIZE)})
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(path) if self.is_omni else None
         self.merge_size = config.vision_config.spatial_merge_size

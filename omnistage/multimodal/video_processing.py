@@ -21,7 +21,6 @@ before passing the video. ``cap_pixels_per_frame`` is honoured.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from omnistage.multimodal.processor_config import processor_settings
 
 __all__ = ["QwenVideoPreprocessor", "smart_resize"]
 
@@ -93,14 +94,11 @@ class QwenVideoPreprocessor:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> QwenVideoPreprocessor:
-        """Read ``video_preprocessor_config.json``, falling back to the image
-        ``preprocessor_config.json`` (as transformers does for old checkpoints)."""
-        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-            file = os.path.join(path, name)
-            if os.path.isfile(file):
-                with open(file) as f:
-                    return cls.from_dict(json.load(f))
-        return cls()
+        """The checkpoint's video processor settings, read from whichever
+        layout holds them in transformers' order of precedence (see
+        ``processor_config.py``); class defaults when there are none."""
+        settings = processor_settings(path, "video")
+        return cls() if settings is None else cls.from_dict(settings.values)
 
     def with_options(self, options: dict[str, Any] | None) -> QwenVideoPreprocessor:
         """A copy with per-request overrides (``size``, ``min_pixels`` ...)."""

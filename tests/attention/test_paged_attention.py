@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage.models.loader import load_model
-from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 from omnistage.sampling_params import SamplingParams
 from omnistage.attention.paged_attention import (
     DECODE,

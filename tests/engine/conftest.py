@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from utils_engine import hf_greedy
 
 from omnistage.models.loader import LoadedModel, load_model
-from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)

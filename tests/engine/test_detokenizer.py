@@ -7,7 +7,7 @@ import random
 import pytest
 
 from omnistage.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from omnistage.models.tiny_checkpoints import build_tiny_tokenizer
+from omnistage.testing.tiny_checkpoints import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from utils_engine import GREEDY, PROMPTS, assert_pool_clean, hf_greedy, make_eng
 import omnistage.models.fast_forward as ff
 from omnistage.kernels.native import native_kernels
 from omnistage.models.loader import load_model
-from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need x86-64 AVX-512 and g++")
 

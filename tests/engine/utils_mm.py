@@ -10,12 +10,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnistage.models.tiny_mm_checkpoints import (
-    hf_reference_inputs,
-    write_tiny_qwen2_5_omni_thinker,
-    write_tiny_qwen2_5_vl,
-)
 from omnistage.multimodal.processing import MultiModalProcessor, ProcessedPrompt
+from omnistage.testing.hf_reference import hf_reference_inputs
+from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
 
 
 def write_sensitive_checkpoint(kind: str, path: str | os.PathLike, gain: float = 2.0) -> str:

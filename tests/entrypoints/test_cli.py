@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omnistage.entrypoints import cli
-from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 import omnistage
 from omnistage import LLM, RequestOutput, SamplingParams
-from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

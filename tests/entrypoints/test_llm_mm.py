@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from omnistage.entrypoints.llm import LLM
-from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
+from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
 from omnistage.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -165,7 +165,7 @@ def test_whole_omni_checkpoint_runs_its_thinker(omni, tmp_path):
     its thinker gives the same answers as the thinker-only checkpoint written
     with the same seed."""
     from omnistage.engine.omni.pipeline import OmniPipeline
-    from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+    from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 
     whole = LLM(str(write_tiny_qwen2_5_omni(tmp_path / "whole")), block_size=4)
     assert isinstance(whole.llm_engine, OmniPipeline)

@@ -9,7 +9,7 @@ import torch
 
 from omnistage import LLM, SamplingParams
 from omnistage.entrypoints import progress
-from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 
 FRAME = re.compile(
     r"Processed prompts:.*?(\d+)/(\d+) \[.*est\. speed input: ([\d.]+) toks/s, output: ([\d.]+) toks/s\]"

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import omnistage.models.fast_forward as ff
 from omnistage.models.adapter import LEAN_ENV, CausalLM
 from omnistage.models.loader import load_model
-from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 from omnistage.sampling_params import SamplingParams
 from omnistage.attention.paged_attention import allocate_kv_caches, build_attention_metadata
 from omnistage.worker.input_batch import InputBatch

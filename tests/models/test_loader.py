@@ -10,7 +10,7 @@ import torch
 
 from omnistage.models.adapter import CausalLM
 from omnistage.models.loader import LoadedModel, load_model, resolve_dtype
-from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 from omnistage.attention.paged_attention import ATTN_IMPL
 
 

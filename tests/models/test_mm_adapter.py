@@ -13,12 +13,9 @@ from PIL import Image
 from omnistage.models.mm_adapter import MRopePositions
 from omnistage.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerAdapter
 from omnistage.models.qwen2_5_vl import Qwen2_5_VLAdapter
-from omnistage.models.tiny_mm_checkpoints import (
-    hf_reference_inputs,
-    write_tiny_qwen2_5_omni_thinker,
-    write_tiny_qwen2_5_vl,
-)
 from omnistage.multimodal.processing import MultiModalProcessor
+from omnistage.testing.hf_reference import hf_reference_inputs
+from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from omnistage.models.qwen2_5_omni_talker import (
-    Qwen2_5OmniTalker,
-    ThinkerOutputForTalker,
+from omnistage.models.qwen2_5_omni_talker import ThinkerOutputForTalker
+from omnistage.testing.hf_reference import (
     handoff_from_hf_generate,
+    hf_generate_capturing_stages,
+    talker_from_omni_model,
+    talker_greedy_codes,
 )
-from omnistage.models.tiny_omni_checkpoint import (
+from omnistage.testing.tiny_omni_checkpoint import (
     SPEAKER_BOS_TOKEN_IDS,
     TALKER_EOS_TOKEN_IDS,
-    hf_generate_capturing_stages,
     write_tiny_qwen2_5_omni,
 )
 
@@ -113,7 +114,7 @@ CASES = [
 
 
 def test_checkpoint_loads_with_speakers_and_matches_thinker_checkpoint(model: Any, tmp_path: Any) -> None:
-    from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
+    from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
 
     assert set(model.speaker_map) == {"Chelsie", "Ethan"}
     assert model.speaker_map["Chelsie"]["bos_token"] == SPEAKER_BOS_TOKEN_IDS["Chelsie"]
@@ -144,8 +145,8 @@ def test_codes_equal_transformers_generate(
     assert torch.equal(hf["sequences"], plain)
     handoff = handoff_from_hf_generate(model, input_ids, hf["thinker"])
     assert handoff.thinker_states.shape == (hf["sequences"].shape[1] - 1, 32)
-    talker = Qwen2_5OmniTalker.from_omni_model(model, match_transformers_unpadded=True)
-    codes = talker.generate(handoff, SPEAKER_BOS_TOKEN_IDS[speaker], max_codes, repetition_penalty=penalty)
+    talker = talker_from_omni_model(model, match_transformers_unpadded=True)
+    codes = talker_greedy_codes(talker, handoff, SPEAKER_BOS_TOKEN_IDS[speaker], max_codes, repetition_penalty=penalty)
     assert codes == hf["codes"]
     assert hf["wav"].shape == (480 * len(codes),)
 
@@ -157,8 +158,8 @@ def test_some_case_stops_at_codec_eos(model: Any, tokenizer: Any) -> None:
         input_ids, max_new_tokens=6, output_hidden_states=True, return_dict_in_generate=True
     )
     handoff = handoff_from_hf_generate(model, input_ids, result)
-    talker = Qwen2_5OmniTalker.from_omni_model(model, match_transformers_unpadded=True)
-    codes = talker.generate(handoff, SPEAKER_BOS_TOKEN_IDS[speaker], max_codes, repetition_penalty=penalty)
+    talker = talker_from_omni_model(model, match_transformers_unpadded=True)
+    codes = talker_greedy_codes(talker, handoff, SPEAKER_BOS_TOKEN_IDS[speaker], max_codes, repetition_penalty=penalty)
     assert 0 < len(codes) < max_codes
 
 
@@ -171,8 +172,8 @@ def test_image_prompt_codes_equal_transformers_generate(model: Any, tokenizer: A
     # image placeholder rows carry the hidden state only (embedding zeroed)
     prompt_states = hf["talker_kwargs"]["inputs_embeds"][0, : input_ids.shape[1]]
     assert torch.equal(handoff.thinker_states[: input_ids.shape[1]], prompt_states)
-    talker = Qwen2_5OmniTalker.from_omni_model(model, match_transformers_unpadded=True)
-    assert talker.generate(handoff, SPEAKER_BOS_TOKEN_IDS["Chelsie"], 16, repetition_penalty=1.05) == hf["codes"]
+    talker = talker_from_omni_model(model, match_transformers_unpadded=True)
+    assert talker_greedy_codes(talker, handoff, SPEAKER_BOS_TOKEN_IDS["Chelsie"], 16, repetition_penalty=1.05) == hf["codes"]
 
 
 @pytest.mark.parametrize("use_image", [False, True])
@@ -188,11 +189,11 @@ def test_default_codes_equal_transformers_masked_talker(model: Any, tokenizer: A
     expected = hf_masked_talker_codes(model, hf["talker_kwargs"], 20, repetition_penalty=1.05)
     grids = {"image_grid_thw": mm["image_grid_thw"]} if use_image else {}
     handoff = handoff_from_hf_generate(model, input_ids, hf["thinker"], **grids)
-    talker = Qwen2_5OmniTalker.from_omni_model(model)
-    assert talker.generate(handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 20, repetition_penalty=1.05) == expected
+    talker = talker_from_omni_model(model)
+    assert talker_greedy_codes(talker, handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 20, repetition_penalty=1.05) == expected
     if not use_image:  # and the two modes do differ (from the 6th code on, for this prompt)
-        quirk = Qwen2_5OmniTalker.from_omni_model(model, match_transformers_unpadded=True)
-        assert quirk.generate(handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 20, repetition_penalty=1.05) != expected
+        quirk = talker_from_omni_model(model, match_transformers_unpadded=True)
+        assert talker_greedy_codes(quirk, handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 20, repetition_penalty=1.05) != expected
 
 
 def test_image_prompt_positions_are_the_thinker_mrope_positions(model: Any, tokenizer: Any) -> None:
@@ -202,7 +203,7 @@ def test_image_prompt_positions_are_the_thinker_mrope_positions(model: Any, toke
         pixel_values=mm["thinker_pixel_values"], image_grid_thw=mm["image_grid_thw"],
     )  # fmt: skip
     handoff = handoff_from_hf_generate(model, input_ids, result, image_grid_thw=mm["image_grid_thw"])
-    prompt = Qwen2_5OmniTalker.from_omni_model(model).prepare(handoff, SPEAKER_BOS_TOKEN_IDS["Chelsie"])
+    prompt = talker_from_omni_model(model).prepare(handoff, SPEAKER_BOS_TOKEN_IDS["Chelsie"])
     thinker_positions, thinker_delta = model.thinker.get_rope_index(
         input_ids, mm["image_grid_thw"], None, torch.ones_like(input_ids)
     )
@@ -221,7 +222,7 @@ def test_handoff_validation() -> None:
 
 
 def test_unknown_speaker_bos_is_a_clear_error(model: Any) -> None:
-    talker = Qwen2_5OmniTalker.from_omni_model(model)
+    talker = talker_from_omni_model(model)
     handoff = ThinkerOutputForTalker("r", [1, 2], [3, 4], torch.zeros(3, 32))
     with pytest.raises(KeyError, match="no thinker embedding row for token id 7"):
         talker.prepare(handoff, 7)

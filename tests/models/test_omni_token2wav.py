@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker, handoff_from_hf_generate
 from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
-from omnistage.models.tiny_omni_checkpoint import (
+from omnistage.testing.hf_reference import (
+    handoff_from_hf_generate,
+    talker_from_omni_model,
+    talker_greedy_codes,
+    token2wav_from_omni_model,
+)
+from omnistage.testing.tiny_omni_checkpoint import (
     SAMPLE_RATE,
     SPEAKER_BOS_TOKEN_IDS,
     TALKER_EOS_TOKEN_IDS,
@@ -34,7 +39,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def token2wav(model: Any) -> Qwen2_5OmniToken2Wav:
-    return Qwen2_5OmniToken2Wav.from_omni_model(model)
+    return token2wav_from_omni_model(model)
 
 
 def hf_token2wav(model: Any, codes: list[int], speaker: str, seed: int, **kwargs: Any) -> np.ndarray:
@@ -99,9 +104,9 @@ def test_whole_pipeline_equals_transformers_generate(model: Any) -> None:
     )
     assert torch.equal(result.sequences, sequences)
     handoff = handoff_from_hf_generate(model, input_ids, result)
-    talker = Qwen2_5OmniTalker.from_omni_model(model, match_transformers_unpadded=True)
-    codes = talker.generate(handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 20, repetition_penalty=1.05)
-    ours = Qwen2_5OmniToken2Wav.from_omni_model(model)(codes, "Ethan", seed=42)
+    talker = talker_from_omni_model(model, match_transformers_unpadded=True)
+    codes = talker_greedy_codes(talker, handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 20, repetition_penalty=1.05)
+    ours = token2wav_from_omni_model(model)(codes, "Ethan", seed=42)
     assert_waveform_close(ours, wave.numpy())
     assert Qwen2_5OmniToken2Wav.sample_rate == SAMPLE_RATE == 24000
 

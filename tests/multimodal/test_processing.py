@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
+from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker, write_tiny_qwen2_5_vl
 from omnistage.multimodal.processing import MultiModalProcessor, audio_output_length
 
 

@@ -1,97 +1,20 @@
 """Our torchvision-free Qwen2-VL video preprocessing against transformers' own
-``Qwen2VLVideoProcessor`` code.
-
-transformers' video processor module imports torchvision, which cannot be
-installed beside our torch. To run its code anyway, the test loads the
-module's source with a stand-in for the two torchvision kernels that path
-calls on CPU (``resize``: a native uint8 ``interpolate`` with antialiasing, no-op
-at equal size; ``normalize``: ``sub(mean).div_(std)``), written from
-torchvision's source. Everything else (order of operations, smart resize,
-fused mean/std, frame padding, patch layout) is transformers' code.
-"""
+``Qwen2VLVideoProcessor`` code, run without torchvision (see omnistage/testing/hf_processors.py)."""
 
 from __future__ import annotations
-
-import enum
-import importlib.util
-import os
-import sys
-import types
 
 import numpy as np
 import pytest
 import torch
-
 from omnistage.multimodal.video_processing import QwenVideoPreprocessor, smart_resize
-
-
-class _InterpolationMode(enum.Enum):
-    NEAREST = "nearest"
-    NEAREST_EXACT = "nearest-exact"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    BOX = "box"
-    HAMMING = "hamming"
-    LANCZOS = "lanczos"
-
-
-def _tv_resize(image, size, interpolation=_InterpolationMode.BILINEAR, antialias=True, **_):
-    # torchvision.transforms.v2.functional.resize_image on CPU, bicubic uint8
-    if tuple(image.shape[-2:]) == tuple(size):
-        return image
-    shape = image.shape
-    flat = image.reshape(-1, *shape[-3:])
-    out = torch.nn.functional.interpolate(
-        flat, size=list(size), mode=interpolation.value, align_corners=False, antialias=antialias
-    )
-    return out.reshape(*shape[:-2], *size)
-
-
-def _tv_normalize(image, mean, std, inplace=False):
-    mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-    std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-    image = image.sub_(mean) if inplace else image.sub(mean)
-    return image.div_(std)
+from omnistage.testing.hf_processors import hf_qwen2_vl_video_processor
 
 
 @pytest.fixture(scope="module")
 def hf_video_processor_class():
-    """transformers' Qwen2VLVideoProcessor, loaded from its source."""
-    import transformers.image_processing_backends as backends
-    import transformers.models.qwen2_vl as qwen2_vl_pkg
-    import transformers.video_processing_utils as video_utils
-
-    mp = pytest.MonkeyPatch()
-    try:
-        import torchvision  # noqa: F401  (a real one, if ever installed: use it)
-    except ImportError:
-        tvF = types.SimpleNamespace(
-            resize=_tv_resize,
-            normalize=_tv_normalize,
-            InterpolationMode=_InterpolationMode,
-            grayscale_to_rgb=lambda x: x,
-        )
-        v2 = types.ModuleType("torchvision.transforms.v2")
-        v2.functional = tvF
-        for name, module in {
-            "torchvision": types.ModuleType("torchvision"),
-            "torchvision.transforms": types.ModuleType("torchvision.transforms"),
-            "torchvision.transforms.v2": v2,
-            "torchvision.transforms.v2.functional": tvF,
-        }.items():
-            mp.setitem(sys.modules, name, module)
-        mp.setattr(backends, "tvF", tvF, raising=False)
-        mp.setattr(video_utils, "tvF", tvF, raising=False)
-        mp.setattr(backends, "pil_torch_interpolation_mapping", {3: _InterpolationMode.BICUBIC}, raising=False)
-    name = "transformers.models.qwen2_vl._omnistage_test_video_processing"
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(os.path.dirname(qwen2_vl_pkg.__file__), "video_processing_qwen2_vl.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    mp.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    yield module.Qwen2VLVideoProcessor
-    mp.undo()
+    """transformers' Qwen2VLVideoProcessor, loaded from its source (see omnistage/testing/hf_processors.py)."""
+    with hf_qwen2_vl_video_processor() as cls:
+        yield cls
 
 
 SIZE = {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.models.loader import load_model
-from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 from omnistage.sampling_params import SamplingParams
 from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.worker.model_runner import ModelRunner

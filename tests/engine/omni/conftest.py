@@ -11,7 +11,7 @@ import pytest
 
 from omnistage.models.qwen2_5_omni import OmniModel, load_qwen2_5_omni
 from omnistage import LLM
-from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 from omni_utils import GREEDY_TALKER, SMALL
 
 transformers = pytest.importorskip("transformers")

@@ -123,7 +123,7 @@ def test_chat_and_wav_file(llm: LLM, tmp_path: Any) -> None:
 
 
 def test_is_omni_checkpoint(omni_dir: Any, tmp_path: Any) -> None:
-    from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
+    from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
 
     assert is_omni_checkpoint(omni_dir)
     assert not is_omni_checkpoint(write_tiny_qwen2_5_omni_thinker(tmp_path / "thinker"))

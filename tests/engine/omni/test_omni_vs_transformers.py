@@ -13,12 +13,14 @@ import pytest
 import torch
 from omni_utils import assert_same_answer
 
-from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker, handoff_from_hf_generate
-from omnistage.models.tiny_omni_checkpoint import (
-    SPEAKER_BOS_TOKEN_IDS,
-    hf_generate_capturing_stages,
-)
 from omnistage.sampling_params import SamplingParams
+from omnistage.testing.hf_reference import (
+    handoff_from_hf_generate,
+    hf_generate_capturing_stages,
+    talker_from_omni_model,
+    talker_greedy_codes,
+)
+from omnistage.testing.tiny_omni_checkpoint import SPEAKER_BOS_TOKEN_IDS
 
 
 def hf_generate(model: Any, input_ids: list[int], seed: int, **kwargs: Any) -> dict[str, Any]:
@@ -110,7 +112,7 @@ def test_default_talker_equals_reference_on_transformers_handoff(
     make_llm: Any, hf_model: Any, use_image: bool
 ) -> None:
     """The default talker (codec pad/bos embeddings in the prefill, M-RoPE
-    positions) on the paged engine gives the codes of ``Qwen2_5OmniTalker``,
+    positions) on the paged engine gives the codes of ``talker_greedy_codes``,
     which tests/models checks against HF's talker forward with a mask."""
     from PIL import Image
 
@@ -137,8 +139,8 @@ def test_default_talker_equals_reference_on_transformers_handoff(
     )
     assert out.outputs[0].token_ids == result.sequences[0, ids.shape[1] :].tolist()
     handoff = handoff_from_hf_generate(hf_model, ids, result, **grids)
-    reference = Qwen2_5OmniTalker.from_omni_model(hf_model)
-    codes = reference.generate(handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 16, repetition_penalty=1.05)
+    reference = talker_from_omni_model(hf_model)
+    codes = talker_greedy_codes(reference, handoff, SPEAKER_BOS_TOKEN_IDS["Ethan"], 16, repetition_penalty=1.05)
     assert out.extra["codec_token_ids"] == codes and codes
     assert_wave_close(out.audio, hf_token2wav(hf_model, codes, "Ethan", seed=0))
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 
 from oai_helpers import TEST_MAX_AUDIO_SECONDS, TEST_MAX_BODY_BYTES, TEST_MAX_IMAGE_PIXELS, TINY_MODEL_NAME, Server, start_server
 

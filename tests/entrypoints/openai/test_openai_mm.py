@@ -12,7 +12,7 @@ import pytest
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.entrypoints.llm import LLM
 from omnistage.entrypoints.openai.api_server import ServerOptions, ServerThread, build_app
-from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
+from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
 from omnistage.sampling_params import SamplingParams
 
 from oai_helpers import png_bytes, wav_bytes

@@ -23,7 +23,7 @@ from omnistage.engine.arg_utils import EngineArgs
 from omnistage import LLM
 from omnistage.entrypoints.openai import serving_chat
 from omnistage.entrypoints.openai.api_server import ServerOptions, ServerThread, build_app
-from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 

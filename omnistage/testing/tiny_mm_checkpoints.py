@@ -4,7 +4,12 @@ Each writer saves a folder that loads like the published checkpoint:
 ``config.json`` + ``model.safetensors`` (random weights, fixed seed, via
 ``save_pretrained``), a byte-level BPE tokenizer built locally whose special
 tokens sit at the ids the config names, a chat template, and the
-image / video / audio preprocessor configs. Sizes follow transformers' own
+image / video / audio processor settings. Those are written in the layout
+transformers 5's ``ProcessorMixin.save_pretrained`` writes (one
+``processor_config.json`` with ``image_processor`` / ``video_processor`` /
+``feature_extractor`` blocks) unless ``processor_layout="legacy"`` asks for
+the transformers 4 files most published checkpoints carry
+(``preprocessor_config.json``, ``video_preprocessor_config.json``). Sizes follow transformers' own
 model tests (hidden 32, 2 layers, 4 heads) but keep the real models'
 structure: spatial merge 2, windowed vision attention, M-RoPE sections,
 128 mel bins. The whole Qwen2.5-Omni model (talker, token2wav, speakers) is
@@ -15,17 +20,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 __all__ = [
     "OMNI_SPECIAL_TOKENS",
+    "PROCESSOR_LAYOUTS",
     "VL_SPECIAL_TOKENS",
-    "hf_reference_inputs",
     "write_tiny_qwen2_5_omni_thinker",
     "write_tiny_qwen2_5_vl",
 ]
+
+ProcessorLayout = Literal["nested", "legacy"]
+PROCESSOR_LAYOUTS: tuple[ProcessorLayout, ...] = ("nested", "legacy")
 
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -125,6 +133,26 @@ def _write_json(path: str, name: str, data: dict[str, Any]) -> None:
         json.dump(data, f, indent=2, sort_keys=True)
 
 
+def _check_layout(layout: str) -> None:
+    if layout not in PROCESSOR_LAYOUTS:
+        raise ValueError(f"processor_layout {layout!r}: expected one of {PROCESSOR_LAYOUTS}")
+
+
+def _write_processor_settings(
+    path: str, processor_class: str, blocks: dict[str, dict[str, Any]], layout: ProcessorLayout
+) -> None:
+    """Write the sub-processors' settings (``blocks`` keyed ``image_processor``,
+    ``video_processor``, ``feature_extractor``) in ``layout``."""
+    if layout == "nested":
+        _write_json(path, "processor_config.json", {**blocks, "processor_class": processor_class})
+        return
+    # image processor and audio feature extractor share one file, as in the
+    # published Qwen2.5-Omni checkpoint
+    flat = {**blocks.get("feature_extractor", {}), **blocks["image_processor"], "processor_class": processor_class}
+    _write_json(path, "preprocessor_config.json", flat)
+    _write_json(path, "video_preprocessor_config.json", {**blocks["video_processor"], "processor_class": processor_class})
+
+
 def _vision_processor_config(image_processor_type: str, min_tokens: int, max_tokens: int) -> dict[str, Any]:
     """Qwen2-VL image/video processor settings; the pixel limits are given in
     merged tokens (28x28 squares)."""
@@ -188,11 +216,15 @@ def _save_model(model: torch.nn.Module, path: str) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
-def write_tiny_qwen2_5_vl(path: str | os.PathLike, seed: int = 0) -> str:
+def write_tiny_qwen2_5_vl(
+    path: str | os.PathLike, seed: int = 0, processor_layout: ProcessorLayout = "nested"
+) -> str:
     """A tiny ``Qwen2_5_VLForConditionalGeneration`` checkpoint. Images are
-    resized to 4..64 merged tokens, video frames to 4..16 per frame pair."""
+    resized to 4..64 merged tokens, video frames to 4..16 per frame pair;
+    ``processor_layout`` picks the processor files (see the module docstring)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    _check_layout(processor_layout)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     ids = _write_tokenizer(
@@ -218,12 +250,11 @@ def write_tiny_qwen2_5_vl(path: str | os.PathLike, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     _save_model(model, path)
-    image = _vision_processor_config("image_processor_type", 4, 64)
-    image["processor_class"] = "Qwen2_5_VLProcessor"
-    _write_json(path, "preprocessor_config.json", image)
-    video = _vision_processor_config("video_processor_type", 4, 16)
-    video["processor_class"] = "Qwen2_5_VLProcessor"
-    _write_json(path, "video_preprocessor_config.json", video)
+    blocks = {
+        "image_processor": _vision_processor_config("image_processor_type", 4, 64),
+        "video_processor": _vision_processor_config("video_processor_type", 4, 16),
+    }
+    _write_processor_settings(path, "Qwen2_5_VLProcessor", blocks, processor_layout)
     return path
 
 
@@ -258,7 +289,7 @@ def _thinker_config(ids: dict[str, int]) -> Any:
     )
 
 
-def _write_omni_processor_files(path: str) -> dict[str, int]:
+def _write_omni_processor_files(path: str, layout: ProcessorLayout) -> dict[str, int]:
     from transformers import WhisperFeatureExtractor
 
     ids = _write_tokenizer(
@@ -275,69 +306,33 @@ def _write_omni_processor_files(path: str) -> dict[str, int]:
         },
         _OMNI_TEMPLATE,
     )
-    # One preprocessor_config.json holds the image processor and the audio
-    # feature extractor settings, as in the published Qwen2.5-Omni checkpoint.
     audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400)
     audio_dict = {k: v for k, v in audio.to_dict().items() if k != "mel_filters"}
     audio_dict["return_attention_mask"] = True
-    config = {**audio_dict, **_vision_processor_config("image_processor_type", 4, 64)}
-    config["processor_class"] = "Qwen2_5OmniProcessor"
-    _write_json(path, "preprocessor_config.json", config)
-    video = _vision_processor_config("video_processor_type", 4, 16)
-    video["processor_class"] = "Qwen2_5OmniProcessor"
-    _write_json(path, "video_preprocessor_config.json", video)
+    blocks = {
+        "feature_extractor": audio_dict,
+        "image_processor": _vision_processor_config("image_processor_type", 4, 64),
+        "video_processor": _vision_processor_config("video_processor_type", 4, 16),
+    }
+    _write_processor_settings(path, "Qwen2_5OmniProcessor", blocks, layout)
     return ids
 
 
-def write_tiny_qwen2_5_omni_thinker(path: str | os.PathLike, seed: int = 0) -> str:
+def write_tiny_qwen2_5_omni_thinker(
+    path: str | os.PathLike, seed: int = 0, processor_layout: ProcessorLayout = "nested"
+) -> str:
     """A tiny ``Qwen2_5OmniThinkerForConditionalGeneration`` checkpoint
     (``model_type`` ``qwen2_5_omni_thinker``) with image, video and audio
-    towers and the Qwen2.5-Omni processor files."""
+    towers and the Qwen2.5-Omni processor files in ``processor_layout``."""
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
+    _check_layout(processor_layout)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    ids = _write_omni_processor_files(path)
+    ids = _write_omni_processor_files(path, processor_layout)
     config = _thinker_config(ids)
     config.architectures = ["Qwen2_5OmniThinkerForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Qwen2_5OmniThinkerForConditionalGeneration(config).to(torch.float32)
     _save_model(model, path)
     return path
-
-
-def hf_reference_inputs(model: Any, out: Any, ids: torch.Tensor) -> dict[str, Any]:
-    """transformers' forward / ``generate`` keyword arguments for a processed prompt
-    (an ``omnistage.multimodal.processing.ProcessedPrompt``) whose tokens are ``ids``
-    ``[1, T]``: what tests compare omnistage against, for Qwen2.5-VL and the
-    Qwen2.5-Omni thinker. Audio features of several items are padded into one batch."""
-
-    def cat(modality: str, key: str) -> torch.Tensor | None:
-        values = [f.data[key] for f in out.mm_features if f.modality == modality]
-        return torch.cat(values) if values else None
-
-    kwargs: dict[str, Any] = dict(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        pixel_values=cat("image", "pixel_values"),
-        image_grid_thw=cat("image", "image_grid_thw"),
-        pixel_values_videos=cat("video", "pixel_values_videos"),
-        video_grid_thw=cat("video", "video_grid_thw"),
-    )
-    if model.config.model_type == "qwen2_5_vl":
-        token_type = torch.zeros_like(ids)
-        token_type[ids == model.config.image_token_id] = 1
-        token_type[ids == model.config.video_token_id] = 2
-        kwargs.update(mm_token_type_ids=token_type, second_per_grid_ts=cat("video", "second_per_grid_ts"))
-    else:
-        audio = [f.data["input_features"] for f in out.mm_features if f.modality == "audio"]
-        if audio:
-            n = max(a.shape[1] for a in audio)
-            feats = torch.zeros(len(audio), audio[0].shape[0], n)
-            mask = torch.zeros(len(audio), n, dtype=torch.long)
-            for k, a in enumerate(audio):
-                feats[k, :, : a.shape[1]] = a
-                mask[k, : a.shape[1]] = 1
-            kwargs.update(input_features=feats, feature_attention_mask=mask)
-        kwargs.update(video_second_per_grid=cat("video", "second_per_grid_ts"))
-    return {k: v for k, v in kwargs.items() if v is not None}

@@ -34,12 +34,13 @@ from typing import Any
 
 import torch
 
+from omnistage.testing.tiny_mm_checkpoints import ProcessorLayout, write_tiny_qwen2_5_omni_thinker
+
 __all__ = [
     "CODEC_VOCAB_SIZE",
     "SAMPLE_RATE",
     "SPEAKER_BOS_TOKEN_IDS",
     "TALKER_EOS_TOKEN_IDS",
-    "hf_generate_capturing_stages",
     "write_tiny_qwen2_5_omni",
 ]
 
@@ -123,8 +124,11 @@ _TOKEN2WAV_CONFIG: dict[str, Any] = {
 }
 
 
-def write_tiny_qwen2_5_omni(path: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the tiny Qwen2.5-Omni checkpoint to ``path`` and return it."""
+def write_tiny_qwen2_5_omni(
+    path: str | os.PathLike, seed: int = 0, processor_layout: ProcessorLayout = "nested"
+) -> Path:
+    """Write the tiny Qwen2.5-Omni checkpoint to ``path`` and return it
+    (``processor_layout``: see ``tiny_mm_checkpoints``)."""
     from transformers import (
         Qwen2_5OmniConfig,
         Qwen2_5OmniForConditionalGeneration,
@@ -132,11 +136,9 @@ def write_tiny_qwen2_5_omni(path: str | os.PathLike, seed: int = 0) -> Path:
         Qwen2_5OmniThinkerForConditionalGeneration,
     )
 
-    from omnistage.models.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    write_tiny_qwen2_5_omni_thinker(path, seed=seed)  # tokenizer, processor files, thinker weights
+    write_tiny_qwen2_5_omni_thinker(path, seed=seed, processor_layout=processor_layout)  # tokenizer, processor files, thinker weights
     thinker_config = Qwen2_5OmniThinkerConfig.from_pretrained(path)
     thinker_state = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).state_dict()
 
@@ -178,36 +180,3 @@ def write_tiny_qwen2_5_omni(path: str | os.PathLike, seed: int = 0) -> Path:
     }
     torch.save(speakers, path / "spk_dict.pt")
     return path
-
-
-def hf_generate_capturing_stages(model: Any, input_ids: torch.Tensor, seed: int = 0, **kwargs: Any) -> dict[str, Any]:
-    """transformers' ``model.generate`` with a greedy talker after ``torch.manual_seed(seed)``, for tests.
-
-    Returns what that one call passed between its stages: ``thinker`` (the
-    thinker's ``generate`` result), ``talker_kwargs`` (the talker's inputs,
-    cloned) and ``talker`` (its output), plus ``codes`` (the talker's new
-    codes up to its first EOS), ``sequences`` and ``wav``.
-    """
-    seen: dict[str, Any] = {}
-    thinker_generate, talker_generate = model.thinker.generate, model.talker.generate
-
-    def thinker_wrapper(**kw: Any) -> Any:
-        seen["thinker"] = thinker_generate(**kw)
-        return seen["thinker"]
-
-    def talker_wrapper(**kw: Any) -> Any:
-        seen["talker_kwargs"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}
-        seen["talker"] = talker_generate(**kw)
-        return seen["talker"]
-
-    model.thinker.generate, model.talker.generate = thinker_wrapper, talker_wrapper
-    try:
-        torch.manual_seed(seed)
-        sequences, wav = model.generate(
-            input_ids, talker_do_sample=False, talker_eos_token_id=TALKER_EOS_TOKEN_IDS, **kwargs
-        )
-    finally:
-        del model.thinker.generate, model.talker.generate
-    codes = seen["talker"][0, seen["talker_kwargs"]["input_ids"].shape[1] :].tolist()
-    stop = next((i for i, c in enumerate(codes) if c in TALKER_EOS_TOKEN_IDS), len(codes))
-    return {**seen, "codes": codes[:stop], "sequences": sequences, "wav": wav}

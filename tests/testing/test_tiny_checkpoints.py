@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from omnistage.models.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

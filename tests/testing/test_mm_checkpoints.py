@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omnistage.models.tiny_mm_checkpoints import (
+from omnistage.testing.tiny_mm_checkpoints import (
     OMNI_SPECIAL_TOKENS,
     VL_SPECIAL_TOKENS,
     write_tiny_qwen2_5_omni_thinker,
@@ -34,9 +34,11 @@ def test_vl_checkpoint_files_agree(vl_path):
     files = set(os.listdir(vl_path))
     expected = {
         "config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-        "chat_template.jinja", "preprocessor_config.json", "video_preprocessor_config.json",
+        "chat_template.jinja", "processor_config.json",
     }  # fmt: skip
     assert expected <= files
+    # the layout transformers 5 writes: one nested file, no legacy ones
+    assert not files & {"preprocessor_config.json", "video_preprocessor_config.json"}
     config = AutoConfig.from_pretrained(vl_path)
     tok = AutoTokenizer.from_pretrained(vl_path)
     assert config.model_type == "qwen2_5_vl" and config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
@@ -101,7 +103,7 @@ def test_full_omni_checkpoint_serves_through_processor_and_adapter(tmp_path):
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     from omnistage.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerAdapter
-    from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+    from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
     from omnistage.multimodal.processing import MultiModalProcessor
 
     path = write_tiny_qwen2_5_omni(tmp_path / "omni")
