@@ -159,7 +159,10 @@ class StageEngine:
     def process_inputs(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
         """Tokenize a prompt and process its media, touching no engine state
         (``LLM`` processes a whole batch before queuing any of it). Items that
-        could never be encoded (larger than the encoder cache) are refused here."""
+        could never be encoded (larger than the encoder cache) are refused here.
+        Inputs already processed (by this call) pass through unchanged."""
+        if isinstance(prompt, ProcessedInputs):
+            return prompt
         inputs = self.input_processor.process(request_id, prompt)
         self.scheduler.check_mm_items(request_id, inputs.mm_features)
         return inputs
@@ -288,7 +291,9 @@ class StageEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # Rows of requests that ended stay in the runner's batch (with their payloads
+        # and staged tensors) until its next step drops them: that step is owed too.
+        return self.scheduler.has_unfinished_requests() or self.runner.num_rows > 0
 
     def held(self) -> StageHeld:
         """What the stage still holds for requests (see ``StageHeld``)."""
@@ -297,10 +302,10 @@ class StageEngine:
         held = StageHeld(
             requests=self.scheduler.get_num_unfinished_requests() + len(self.output_processor.states),
             kv_blocks=s.kv_blocks_used,
+            batch_rows=runner.num_rows,
             payloads=runner.num_payloads,
         )
         if isinstance(runner, ModelRunner):
-            held.batch_rows = runner.input_batch.num_reqs
             if runner.tensor_cache is not None:
                 held.staged_tensors = runner.tensor_cache.num_staged_requests
             if runner.encoder_cache is not None:

@@ -204,6 +204,11 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------
 
     @property
+    def num_rows(self) -> int:
+        """Requests in the persistent batch, those that ended since the last step included."""
+        return self.input_batch.num_reqs
+
+    @property
     def num_payloads(self) -> int:
         """Requests whose payload or per-token flag the runner holds (for leak checks)."""
         return len(self._payloads.keys() | self._returns_rows)

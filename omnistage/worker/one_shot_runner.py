@@ -34,5 +34,9 @@ class OneShotRunner:
         """Nothing is kept per request between steps."""
 
     @property
+    def num_rows(self) -> int:
+        return 0
+
+    @property
     def num_payloads(self) -> int:
         return 0

@@ -306,6 +306,8 @@ class OmniPipeline:
         if return_audio and not self.has_audio_output:
             raise ValueError("this checkpoint has no talker and token2wav, so it cannot return audio")
         name, bos, chosen = "", -1, None
+        if return_audio and params.n != 1:
+            raise ValueError(f"request {request_id!r}: audio output supports n=1 only, got n={params.n}")
         if return_audio:
             name = resolve_speaker(speaker, self.speakers)
             bos = int(self.speakers[name]["bos_token"])

@@ -50,12 +50,12 @@ def test_speaker_none_is_chelsie_and_ethan_differs(llm: LLM, chelsie: Any) -> No
 def test_return_audio_false_skips_talker_and_token2wav(make_llm: Any, chelsie: Any) -> None:
     llm = make_llm()
     decoded = []
-    llm.llm_engine.stages["token2wav"].token2wav = lambda *a, **k: decoded.append(a)  # type: ignore[assignment]
+    llm.llm_engine.stages["token2wav"].runner.model.token2wav = lambda *a, **k: decoded.append(a)  # type: ignore[assignment]
     out = llm.generate(PROMPT, SP, return_audio=False)[0]
     assert out.audio is None and out.sample_rate is None
     assert out.outputs[0].token_ids == chelsie.outputs[0].token_ids
     assert llm.llm_engine.stages["talker"].scheduler.kv_cache_manager.stats.num_queries == 0 and not decoded
-    assert llm.llm_engine.stages["thinker"].runner.num_collecting == 0  # no rows were kept for a talker
+    assert "hidden_states" not in out.multimodal_output  # no rows were kept for a talker
     assert_nothing_held(llm)
 
 
