@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import socket
 import threading
@@ -30,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from omnistage.entrypoints.openai.engine_client import EngineClient
-from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.errors import APIError
 from omnistage.entrypoints.openai.media import MediaLimits
 from omnistage.entrypoints.openai.metrics import normalize_engine_stats
 from omnistage.entrypoints.openai.protocol import (
@@ -40,6 +39,7 @@ from omnistage.entrypoints.openai.protocol import (
     ModelList,
     parse_request,
 )
+from omnistage.entrypoints.openai.request_body import decode_json_body
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_common import ServingContext
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
@@ -66,7 +66,7 @@ class ServerOptions:
 
 
 async def read_json_body(request: Request, limit: int) -> Any:
-    """The request body as JSON, bounded by ``limit`` bytes (413 beyond it)."""
+    """The request body as JSON, bounded by ``limit`` bytes (413 beyond it, chunked or not)."""
     declared = request.headers.get("content-length")
     too_large = APIError(
         f"Request body exceeds the limit of {limit} bytes", status_code=413, code="request_too_large"
@@ -80,13 +80,7 @@ async def read_json_body(request: Request, limit: int) -> Any:
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    body = b"".join(chunks)
-    if not body:
-        raise bad_request("The request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    return decode_json_body(b"".join(chunks))  # depth, digits and Unicode checked there
 
 
 def _default_engine_factory(engine_args: Any, options: ServerOptions) -> Callable[[], Any]:
