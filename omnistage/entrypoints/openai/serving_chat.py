@@ -56,6 +56,7 @@ from omnistage.entrypoints.openai.serving_common import (
     TTFTClock,
     add_to_engine,
     build_sampling_params,
+    check_context,
     clamp_logprob,
     engine_failure,
     new_id,
@@ -89,10 +90,14 @@ class ChatServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         # max_completion_tokens is the newer name; it wins when both are given.
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params: Any = build_sampling_params(req, max_tokens, logprobs)
+        sampling = build_sampling_params(req, max_tokens, logprobs)
+        params: Any = sampling
         if "audio" in (req.modalities or ()):
-            params = OmniRequestParams(params, return_audio=True, voice=req.audio.voice if req.audio else None)
+            params = OmniRequestParams(sampling, return_audio=True, voice=req.audio.voice if req.audio else None)
         prompt = await self._render(messages, req)
+        # The rendered ids before media placeholders expand: exact for text, a lower bound with media.
+        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        check_context(ctx, len(prompt.get("prompt_token_ids") or ()), sampling, max_tokens_param, "messages")
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
         request_id = new_id("chatcmpl")

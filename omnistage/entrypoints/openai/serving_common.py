@@ -135,12 +135,40 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
         raise bad_request(msg, param=param, code="invalid_value") from None
 
 
+def check_context(
+    ctx: ServingContext, num_prompt_tokens: int, params: SamplingParams, max_tokens_param: str, prompt_param: str
+) -> None:
+    """A 400 when the prompt leaves no room for what ``params`` ask (as OpenAI and vLLM
+    answer), rather than a completion silently cut at the context's end.
+
+    ``max_tokens`` (or ``min_tokens``) more than the context holds after the
+    prompt is refused naming that field; an unset ``max_tokens`` means "up to
+    the context" and needs no check. A prompt that fills the context alone is
+    left to the engine, which names the prompt.
+    """
+    limit = ctx.max_model_len
+    if limit is None or num_prompt_tokens >= limit:
+        return
+    room = limit - num_prompt_tokens
+    for param, asked in ((max_tokens_param, params.max_tokens), ("min_tokens", params.min_tokens)):
+        if asked is not None and asked > room:
+            raise bad_request(
+                f"'{param}' is too large: {asked}. This model's context holds {limit} tokens (max_model_len) "
+                f"and the prompt ('{prompt_param}') takes {num_prompt_tokens}, which leaves room for at most "
+                f"{room} completion tokens; lower '{param}' or shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+
 def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:
     """A 400 for ``add_request`` refusing a request (too long, bad ids, bad params)."""
     msg = str(exc)
     lowered = msg.lower()
     if "logprobs" in lowered:
         param = "logprobs"
+    elif "kv blocks" in lowered:  # the pool cannot hold prompt + max_tokens at once
+        param = "max_tokens"
     elif "prompt" in lowered or "max_model_len" in lowered or "context" in lowered:
         param = prompt_param
     else:

@@ -132,6 +132,12 @@ CASES = [
         "chat prompt too long", CHAT, chat(messages=[{"role": "user", "content": "hello world " * 400}]), 400, "max_model_len",
         "messages", "context_length_exceeded",
     ),
+    Case(
+        "max_tokens beyond the context", CHAT, chat(max_tokens=10**12), 400, "leaves room for at most", "max_tokens",
+        "context_length_exceeded",
+    ),
+    Case("completions max_tokens beyond the context", COMPL, compl(max_tokens=10**12), 400, "max_model_len", "max_tokens"),
+    Case("min_tokens beyond the context", COMPL, compl(max_tokens=None, min_tokens=10**6), 400, "min_tokens", "min_tokens"),
     Case("token prompt too long", COMPL, compl(prompt=LONG_IDS), 400, "max_model_len", "prompt", "context_length_exceeded"),
     Case("token id out of vocab", COMPL, compl(prompt=[1, 2, 10**9]), 400, "token ids", "prompt"),
     Case("second prompt bad", COMPL, compl(prompt=["fine", ""]), 400, "empty", "prompt[1]"),
