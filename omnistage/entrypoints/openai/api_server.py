@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import socket
 import threading
@@ -36,7 +35,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import omnistage
 from omnistage.entrypoints.openai.engine_client import EngineClient
-from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.errors import APIError
 from omnistage.entrypoints.openai.media import DEFAULT_MAX_AUDIO_SECONDS, DEFAULT_MAX_IMAGE_PIXELS, server_media_limits
 from omnistage.entrypoints.openai.metrics import normalize_engine_stats
 from omnistage.entrypoints.openai.protocol import (
@@ -46,6 +45,7 @@ from omnistage.entrypoints.openai.protocol import (
     ModelList,
     parse_request,
 )
+from omnistage.entrypoints.openai.request_body import decode_json_body
 from omnistage.entrypoints.openai.serving_chat import ChatServing
 from omnistage.entrypoints.openai.serving_common import ServingContext
 from omnistage.entrypoints.openai.serving_completions import CompletionServing
@@ -76,7 +76,7 @@ class ServerOptions:
 
 
 async def read_json_body(request: Request, limit: int) -> Any:
-    """The request body as JSON, bounded by ``limit`` bytes (413 beyond it)."""
+    """The request body as JSON, bounded by ``limit`` bytes (413 beyond it, chunked or not)."""
     declared = request.headers.get("content-length")
     too_large = APIError(
         f"Request body exceeds the limit of {limit} bytes", status_code=413, code="request_too_large"
@@ -90,13 +90,7 @@ async def read_json_body(request: Request, limit: int) -> Any:
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    body = b"".join(chunks)
-    if not body:
-        raise bad_request("The request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    return decode_json_body(b"".join(chunks))  # depth, digits and Unicode checked there
 
 
 def _default_engine_factory(engine_args: Any, options: ServerOptions) -> Callable[[], Any]:

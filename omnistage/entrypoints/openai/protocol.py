@@ -8,20 +8,35 @@ mirror OpenAI's field names so the official ``openai`` client parses them.
 Content parts of chat messages are kept as raw dicts here and validated one by
 one in ``parse_content_part``, because a pydantic union over them reports
 errors at paths a client cannot read (``content.list[...].image_url``).
+
+Every number a request carries is bounded here to what the engine can hold
+(int64 / int32 arrays, float32 tensors) and act on, so no value reaches the
+sampler that it cannot write; numbers are strict (``"5"``, ``true`` or ``5.0``
+is not an integer) and finite. Limits that depend on the prompt (``max_tokens``
+against the context) are checked in ``serving_common.check_context``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, TypeAdapter, ValidationError
 
 from omnistage.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_N = 128  # completions per prompt (n, best_of)
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_TOKEN_ID = INT32_MAX  # past any vocabulary; ids beyond the model's are harmless where they only match
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Loose(BaseModel):
@@ -57,29 +72,34 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(_Request):
-    """Parameters shared by chat and text completions, with OpenAI's ranges."""
+    """Parameters shared by chat and text completions, with OpenAI's ranges
+    (vLLM's for its extensions) and an upper bound on every count."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     # int64, so seed + completion index (n <= 128) stays within what torch generators take.
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=INT64_MAX)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's multiplicative penalty (1: off). It divides or multiplies float32
+    # logits; this range keeps them finite and is wider than any useful setting.
+    repetition_penalty: StrictFloat | None = Field(None, ge=0.01, le=100.0)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     # vLLM-style extensions (sent through ``extra_body`` by the openai client).
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    # top_k beyond the vocabulary keeps every token; the bound keeps it far inside the sampler's int64.
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     # Tenant isolation (vLLM extension): requests share KV blocks and encoder outputs only
     # with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1)
@@ -87,32 +107,34 @@ class _SamplingFields(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Any count fits int64; whether it fits the context is checked against the prompt.
+    max_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOutputParams | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     # Accepted and ignored: they describe bookkeeping on OpenAI's side, not generation.
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
     # Chat-template knobs (vLLM extension).
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    # Token ids are checked against the vocabulary by the engine (any int, however large).
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
 
 
 # Content parts of a chat message. ``parse_content_part`` picks one by ``type``.

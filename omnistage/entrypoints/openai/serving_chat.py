@@ -55,6 +55,7 @@ from omnistage.entrypoints.openai.serving_common import (
     TTFTClock,
     add_to_engine,
     build_sampling_params,
+    check_context,
     clamp_logprob,
     engine_failure,
     new_id,
@@ -93,6 +94,9 @@ class ChatServing:
         speak = "audio" in (req.modalities or ())
         voice = req.audio.voice if speak and req.audio else None
         prompt = await self._render(messages, req)
+        # The rendered ids before media placeholders expand: exact for text, a lower bound with media.
+        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        check_context(ctx, len(prompt.get("prompt_token_ids") or ()), params, max_tokens_param, "messages")
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
         request_id = new_id("chatcmpl")

@@ -6,7 +6,9 @@ disconnects.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -25,6 +27,8 @@ from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo, unsupported
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,21 +77,43 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Below this a temperature is greedy (vLLM's threshold too): dividing float32
+# logits by a few 1e-38 overflows them, and the softmax is one-hot long before.
+GREEDY_TEMPERATURE = 1e-5
+
+# The server's penalty fields and their neutral values, passed on only where
+# SamplingParams has the field (the sampler gains them in a separate change).
+_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_ignored_penalties_logged: set[str] = set()
+
+
+def _penalty_kwargs(req: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, neutral in _PENALTIES.items():
+        value = getattr(req, name)
+        if value is None or value == neutral:
+            continue
+        if name in _PARAM_FIELDS:
+            out[name] = value
+        elif name not in _ignored_penalties_logged:
+            _ignored_penalties_logged.add(name)
+            logger.warning("%s is accepted but not applied: SamplingParams has no such field yet", name)
+    return out
+
+
 def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """Map request fields onto ``SamplingParams``; unsupported knobs must be neutral."""
-    if req.frequency_penalty:
-        raise unsupported("frequency_penalty", "only 0 is accepted")
-    if req.presence_penalty:
-        raise unsupported("presence_penalty", "only 0 is accepted")
     if req.logit_bias:
         raise unsupported("logit_bias", "this server does not bias logits")
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
@@ -100,6 +126,7 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            **_penalty_kwargs(req),
         )
     except ValueError as exc:
         # "SamplingParams.top_k must be ..." -> param "top_k"
@@ -108,12 +135,40 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
         raise bad_request(msg, param=param, code="invalid_value") from None
 
 
+def check_context(
+    ctx: ServingContext, num_prompt_tokens: int, params: SamplingParams, max_tokens_param: str, prompt_param: str
+) -> None:
+    """A 400 when the prompt leaves no room for what ``params`` ask (as OpenAI and vLLM
+    answer), rather than a completion silently cut at the context's end.
+
+    ``max_tokens`` (or ``min_tokens``) more than the context holds after the
+    prompt is refused naming that field; an unset ``max_tokens`` means "up to
+    the context" and needs no check. A prompt that fills the context alone is
+    left to the engine, which names the prompt.
+    """
+    limit = ctx.max_model_len
+    if limit is None or num_prompt_tokens >= limit:
+        return
+    room = limit - num_prompt_tokens
+    for param, asked in ((max_tokens_param, params.max_tokens), ("min_tokens", params.min_tokens)):
+        if asked is not None and asked > room:
+            raise bad_request(
+                f"'{param}' is too large: {asked}. This model's context holds {limit} tokens (max_model_len) "
+                f"and the prompt ('{prompt_param}') takes {num_prompt_tokens}, which leaves room for at most "
+                f"{room} completion tokens; lower '{param}' or shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+
 def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:
     """A 400 for ``add_request`` refusing a request (too long, bad ids, bad params)."""
     msg = str(exc)
     lowered = msg.lower()
     if "logprobs" in lowered:
         param = "logprobs"
+    elif "kv blocks" in lowered:  # the pool cannot hold prompt + max_tokens at once
+        param = "max_tokens"
     elif "prompt" in lowered or "max_model_len" in lowered or "context" in lowered:
         param = prompt_param
     else:

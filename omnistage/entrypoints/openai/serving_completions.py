@@ -16,8 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from omnistage.entrypoints.openai.engine_client import EngineError, RequestStream
-from omnistage.entrypoints.openai.errors import bad_request
+from omnistage.entrypoints.openai.engine_client import EngineDeadError, EngineError, RequestStream
+from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -32,6 +32,7 @@ from omnistage.entrypoints.openai.serving_common import (
     TTFTClock,
     add_to_engine,
     build_sampling_params,
+    check_context,
     clamp_logprob,
     engine_failure,
     merge_streams,
@@ -43,9 +44,11 @@ from omnistage.entrypoints.openai.serving_common import (
     usage_of,
 )
 from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.sampling_params import SamplingParams
 
 ENDPOINT = "completions"
 MAX_PROMPTS = 256
+_SPECIAL_TOKENS_SLACK = 16  # BOS/EOS and the like a tokenizer adds to a text
 
 
 def salt_prompt(prompt: str | list[int], cache_salt: str | None) -> Any:
@@ -99,6 +102,7 @@ class CompletionServing:
         base_id = new_id("cmpl")
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         params_of = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
+        await self._check_context(prompts, params, params_of)
         # Submit every prompt at once (the engine thread takes them in one turn),
         # then, if any was refused, abort the ones that got in.
         results = await asyncio.gather(
@@ -127,6 +131,33 @@ class CompletionServing:
         ]
         response = CompletionResponse(id=base_id, model=model, choices=choices, usage=usage_of(finals))
         return JSONResponse(response.model_dump())
+
+    async def _check_context(self, prompts: list[str | list[int]], params: SamplingParams, params_of: list[str]) -> None:
+        """Refuse ``max_tokens`` / ``min_tokens`` that the context cannot hold after a prompt.
+
+        A text prompt is tokenized for this (in the engine thread, which owns the
+        tokenizer) only when its UTF-8 length says it might not fit: no
+        tokenizer makes more tokens than bytes, plus a few special ones."""
+        ctx = self.ctx
+        asked = max(params.max_tokens or 0, params.min_tokens)
+        if ctx.max_model_len is None or asked == 0:
+            return
+        counts: list[int | None] = [len(p) if isinstance(p, list) else None for p in prompts]
+        unsure = [
+            i for i, p in enumerate(prompts)
+            if isinstance(p, str) and len(p.encode("utf-8")) + _SPECIAL_TOKENS_SLACK + asked > ctx.max_model_len
+        ]
+        if unsure:
+            texts = [prompts[i] for i in unsure]
+            try:
+                lengths = await ctx.client.call(lambda engine: [len(engine.tokenizer.encode(t)) for t in texts])
+            except EngineDeadError as exc:
+                raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
+            for i, n in zip(unsure, lengths):
+                counts[i] = n
+        for n, param in zip(counts, params_of):
+            if n is not None:
+                check_context(ctx, n, params, "max_tokens", param)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

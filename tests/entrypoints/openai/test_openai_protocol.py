@@ -13,6 +13,7 @@ from omnistage.entrypoints.openai.protocol import (
     parse_content_part,
     parse_request,
 )
+from omnistage.entrypoints.openai.serving_common import _PARAM_FIELDS, build_sampling_params
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -80,3 +81,45 @@ def test_content_parts() -> None:
     with pytest.raises(APIError) as info:
         parse_content_part({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "ogg"}}, "m")
     assert info.value.param == "m.input_audio.format"
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("top_k", 10**20, "less than or equal to 2147483647"),  # took the engine down (OverflowError in the sampler)
+        ("min_tokens", 10**20, "less than or equal to 2147483647"),
+        ("max_tokens", 2**63, "less than or equal to 9223372036854775807"),
+        ("n", 10**20, "less than or equal to 128"),
+        ("repetition_penalty", 0.0, "greater than or equal to 0.01"),
+        ("logit_bias", {"7": 500.0}, "less than or equal to 100"),
+        ("stop_token_ids", [3, 2**40], "less than or equal to"),
+        ("max_tokens", "8", "valid integer"),
+        ("max_tokens", True, "valid integer"),
+        ("max_tokens", 8.0, "valid integer"),
+        ("temperature", float("inf"), "finite number"),
+        ("temperature", False, "valid number"),
+        ("stream", "false", "valid boolean"),
+    ],
+)
+def test_numbers_are_bounded_strict_and_finite(field, value, words) -> None:
+    err = _err(ChatCompletionRequest, {"messages": MSG, field: value})
+    assert err.param.split(".")[0].split("[")[0] == field, err.message
+    assert words in err.message
+
+
+def _chat(**kw: object) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, {"messages": MSG, **kw})
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    assert build_sampling_params(_chat(temperature=1e-30), 4, None).temperature == 0.0
+    assert build_sampling_params(_chat(temperature=0.5), 4, None).temperature == 0.5
+
+
+def test_penalties_reach_sampling_params() -> None:
+    req = _chat(presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.3)
+    params = build_sampling_params(req, 4, None)  # accepted whether or not the sampler applies them yet
+    names = {"presence_penalty", "frequency_penalty", "repetition_penalty"}
+    if not names <= _PARAM_FIELDS:
+        pytest.skip("SamplingParams has no penalty fields yet (they come with the sampler's change)")
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (1.5, -0.5, 1.3)
