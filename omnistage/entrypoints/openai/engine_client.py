@@ -268,7 +268,10 @@ class EngineClient:
         self.engine.abort_request(ids)
         held = _held_kv_blocks(self.engine)
         if held:
-            raise RuntimeError(f"{held} KV blocks are still held after aborting every request in flight") from exc
+            raise RuntimeError(
+                f"{held} KV blocks are still held after aborting every request in flight "
+                f"(the step failed with {type(exc).__name__}: {exc})"
+            ) from exc
 
     def _handle(self, cmd: Any, streams: dict[str, RequestStream]) -> None:
         engine = self.engine

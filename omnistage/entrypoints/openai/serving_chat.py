@@ -90,13 +90,14 @@ class ChatServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         # max_completion_tokens is the newer name; it wins when both are given.
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = build_sampling_params(req, max_tokens, logprobs)
         speak = "audio" in (req.modalities or ())
         voice = req.audio.voice if speak and req.audio else None
         prompt = await self._render(messages, req)
         # The rendered ids before media placeholders expand: exact for text, a lower bound with media.
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        check_context(ctx, len(prompt.get("prompt_token_ids") or ()), params, max_tokens_param, "messages")
+        num_prompt = len(prompt.get("prompt_token_ids") or ())
+        check_context(ctx, num_prompt, max_tokens, req.min_tokens, max_tokens_param, "messages")
+        params = build_sampling_params(req, max_tokens, logprobs)
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
         request_id = new_id("chatcmpl")

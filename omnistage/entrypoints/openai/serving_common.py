@@ -136,11 +136,18 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
 
 
 def check_context(
-    ctx: ServingContext, num_prompt_tokens: int, params: SamplingParams, max_tokens_param: str, prompt_param: str
+    ctx: ServingContext,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    min_tokens: int | None,
+    max_tokens_param: str,
+    prompt_param: str,
 ) -> None:
     """A 400 when the prompt leaves no room for what ``params`` ask (as OpenAI and vLLM
     answer), rather than a completion silently cut at the context's end.
 
+    It runs on the request's own numbers, before they become ``SamplingParams``
+    (whose range check would otherwise answer first, less helpfully).
     ``max_tokens`` (or ``min_tokens``) more than the context holds after the
     prompt is refused naming that field; an unset ``max_tokens`` means "up to
     the context" and needs no check. A prompt that fills the context alone is
@@ -150,7 +157,7 @@ def check_context(
     if limit is None or num_prompt_tokens >= limit:
         return
     room = limit - num_prompt_tokens
-    for param, asked in ((max_tokens_param, params.max_tokens), ("min_tokens", params.min_tokens)):
+    for param, asked in ((max_tokens_param, max_tokens), ("min_tokens", min_tokens)):
         if asked is not None and asked > room:
             raise bad_request(
                 f"'{param}' is too large: {asked}. This model's context holds {limit} tokens (max_model_len) "

@@ -98,11 +98,11 @@ class CompletionServing:
             raise unsupported("echo", "echo with logprobs needs prompt logprobs, which the engine does not compute")
         prompts = normalize_prompts(req.prompt)
         salted = [salt_prompt(p, req.cache_salt) for p in prompts]
-        params = build_sampling_params(req, req.max_tokens, req.logprobs)
         base_id = new_id("cmpl")
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         params_of = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
-        await self._check_context(prompts, params, params_of)
+        await self._check_context(prompts, req.max_tokens, req.min_tokens, params_of)
+        params = build_sampling_params(req, req.max_tokens, req.logprobs)
         # Submit every prompt at once (the engine thread takes them in one turn),
         # then, if any was refused, abort the ones that got in.
         results = await asyncio.gather(
@@ -132,14 +132,16 @@ class CompletionServing:
         response = CompletionResponse(id=base_id, model=model, choices=choices, usage=usage_of(finals))
         return JSONResponse(response.model_dump())
 
-    async def _check_context(self, prompts: list[str | list[int]], params: SamplingParams, params_of: list[str]) -> None:
+    async def _check_context(
+        self, prompts: list[str | list[int]], max_tokens: int | None, min_tokens: int | None, params_of: list[str]
+    ) -> None:
         """Refuse ``max_tokens`` / ``min_tokens`` that the context cannot hold after a prompt.
 
         A text prompt is tokenized for this (in the engine thread, which owns the
         tokenizer) only when its UTF-8 length says it might not fit: no
         tokenizer makes more tokens than bytes, plus a few special ones."""
         ctx = self.ctx
-        asked = max(params.max_tokens or 0, params.min_tokens)
+        asked = max(max_tokens or 0, min_tokens or 0)
         if ctx.max_model_len is None or asked == 0:
             return
         counts: list[int | None] = [len(p) if isinstance(p, list) else None for p in prompts]
@@ -157,7 +159,7 @@ class CompletionServing:
                 counts[i] = n
         for n, param in zip(counts, params_of):
             if n is not None:
-                check_context(ctx, n, params, "max_tokens", param)
+                check_context(ctx, n, max_tokens, min_tokens, "max_tokens", param)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

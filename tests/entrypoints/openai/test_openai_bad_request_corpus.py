@@ -26,7 +26,7 @@ import pytest
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.entrypoints.openai.api_server import ServerOptions, ServerThread, build_app
 from omnistage.entrypoints.openai.request_body import MAX_JSON_DEPTH
-from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 
 from oai_helpers import TEST_MAX_MODEL_LEN, png_bytes, wav_b64
 

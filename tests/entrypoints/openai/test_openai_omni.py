@@ -196,7 +196,7 @@ def test_disconnect_while_speaking_frees_every_stage(
 def test_text_only_request_skips_the_talker(
     client: openai.OpenAI, reference: RequestOutput, omni_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    talker = omni_server[1].state.engine_client.engine.llm_engine.stages["talker"]
+    talker = omni_server[1].state.engine_client.engine.stages["talker"]
     spoken = _record_request_ids(talker, monkeypatch)
     completion = client.chat.completions.create(**_request())
     message = completion.choices[0].message
@@ -274,7 +274,7 @@ def test_failed_talker_step_fails_the_request_and_the_pipeline_recovers(
 ) -> None:
     """A stage past the thinker fails mid-step: the request gets a 500, every
     stage lets go of it, and the next request is answered as before."""
-    runner = omni_server[1].state.engine_client.engine.llm_engine.stages["talker"].runner
+    runner = omni_server[1].state.engine_client.engine.stages["talker"].runner
     real, fired = runner.execute_model, []
 
     def execute_model(sched_out: Any) -> Any:

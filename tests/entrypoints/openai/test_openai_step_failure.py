@@ -50,18 +50,20 @@ def _fail_next_step(monkeypatch: pytest.MonkeyPatch, engine: Any, also_break_abo
     fired: list[int] = []
 
     def execute_model(sched_out: Any) -> Any:
-        if not fired:
+        # A step that runs tokens: the engine also steps once with none, to drop ended rows.
+        if not fired and sched_out.total_num_scheduled_tokens:
             fired.append(engine.get_num_unfinished_requests())
             raise RuntimeError("injected runner failure")
         return real(sched_out)
 
     monkeypatch.setattr(runner, "execute_model", execute_model)
     if also_break_abort:
-
-        def abort_request(ids: Any) -> None:
+        # The engine releases a failed step's requests itself, through its scheduler:
+        # break that, so the clean-up fails inside the engine and after it.
+        def abort_requests(ids: Any) -> None:
             raise RuntimeError("injected abort failure")
 
-        monkeypatch.setattr(engine, "abort_request", abort_request)
+        monkeypatch.setattr(engine.scheduler, "abort_requests", abort_requests)
     return fired
 
 
