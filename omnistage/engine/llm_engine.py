@@ -74,6 +74,7 @@ class LLMEngine:
 
             loaded_model = load_model(args.model, dtype=args.dtype, device=args.device)
         self.args = args
+        loaded_model.tokenizer = args.customize_tokenizer(loaded_model.tokenizer)  # --tokenizer, --chat-template
         self.loaded_model = loaded_model
         self.tokenizer = loaded_model.tokenizer
         model = loaded_model.model
