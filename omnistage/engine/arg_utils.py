@@ -160,12 +160,12 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             kind = _flag_type(hints[f.name])
             default = _default(f)
-            shown = "" if default is None else f" (default: {default})"
+            text = f.metadata["help"] + ("" if default is None else f" (default: {default})")
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"] + shown)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
             else:
                 metavar = {int: "N", float: "X"}.get(kind, f.name.removeprefix("chat_").upper())
-                group.add_argument(flag, type=kind, default=default, help=f.metadata["help"] + shown, metavar=metavar)
+                group.add_argument(flag, type=kind, default=default, help=text, metavar=metavar)
         engine = groups[_ENGINE]
         # The flag of earlier omnistage releases.
         engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--file", help="prompts file: one per line, or JSON lines with a 'prompt' (and optional 'id')")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
     omni = gen.add_argument_group("omni checkpoints (speech)")
-    omni.add_argument("--audio-dir", default=None, help="speak the answers and write them here as <id>.wav (default: no audio)")
+    omni.add_argument("--audio-dir", default=None, help="speak the answers into DIR/<id>.wav (default: no audio)")
     omni.add_argument("--speaker", default=None, help="the voice (default: the checkpoint's)")
     omni.add_argument("--talker-max-tokens", type=int, default=None, help="cap on codec tokens per answer")
     _add_sampling_args(gen, max_tokens=64)
@@ -90,8 +90,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 def _load(args: argparse.Namespace, err: TextIO) -> tuple[Any, Any]:
     from omnistage.entrypoints.loading import load_llm
 
-    talker = {"talker_params": {"max_tokens": args.talker_max_tokens}} if getattr(args, "talker_max_tokens", None) else None
-    return load_llm(EngineArgs.cli_kwargs(args), err, talker)
+    cap = getattr(args, "talker_max_tokens", None)
+    return load_llm(EngineArgs.cli_kwargs(args), err, {"talker_params": {"max_tokens": cap}} if cap else None)
 
 
 # -- generate ----------------------------------------------------------------------
@@ -274,7 +274,9 @@ def run_chat(args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextIO) 
         completion = final.outputs[0]
         messages.append({"role": "assistant", "content": completion.text})
         if completion.finish_reason == "length":
-            err.write(f"[cut off: the answer reached the token limit ({len(completion.token_ids)} tokens, --max-tokens {params.max_tokens})]\n")
+            used = len(completion.token_ids)
+            limit = params.max_tokens
+            err.write(f"[cut off: the answer reached the token limit ({used} tokens, --max-tokens {limit})]\n")
         if args.stats:
             ttft = final.metrics.time_to_first_token or 0.0
             err.write(
