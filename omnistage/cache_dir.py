@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from omnistage import envs
 
 __all__ = ["cache_root"]
 
 
 def cache_root() -> Path:
     """``$OMNISTAGE_CACHE_DIR`` or ``~/.cache/omnistage``."""
-    env = os.environ.get("OMNISTAGE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "omnistage"
+    return envs.cache_dir()

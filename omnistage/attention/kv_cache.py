@@ -22,11 +22,12 @@ contiguously, and only appends the new token to it.
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+from omnistage import envs
 
 
 def allocate_kv_caches(
@@ -109,10 +110,9 @@ def gather_kv(cache: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> tuple[t
 
 # -- dense decode views ---------------------------------------------------------
 
-DENSE_DECODE_ENV = "OMNISTAGE_DENSE_DECODE_BYTES"
-# Default budget, in bytes over all layers and caches, for dense decode views (0 turns them off).
-# A layer's view is also never larger than that layer's paged cache.
-DENSE_DECODE_MAX_BYTES = 1 << 30
+DENSE_DECODE_ENV = envs.DENSE_DECODE_BYTES.name
+# Its budget (default in omnistage.envs) is in bytes over all layers and caches, for dense decode
+# views (0 turns them off). A layer's view is also never larger than that layer's paged cache.
 # Free key columns a view is built with, so it is rebuilt only every this many decode steps.
 DENSE_DECODE_MARGIN = 64
 
@@ -165,7 +165,7 @@ def invalidate_dense_view(cache: torch.Tensor) -> None:
 
 
 def dense_budget() -> int:
-    return int(os.environ.get(DENSE_DECODE_ENV, DENSE_DECODE_MAX_BYTES))
+    return envs.dense_decode_bytes()
 
 
 def dense_bytes_in_use() -> int:

@@ -24,7 +24,7 @@ class SchedulerConfig:
     request uses it (the encoder cache "off": no reuse across requests).
     """
 
-    max_num_seqs: int = 128
+    max_num_seqs: int = 64  # EngineArgs.max_num_seqs is the source; a test keeps the two equal
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     block_size: int = 16

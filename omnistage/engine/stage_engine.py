@@ -85,6 +85,8 @@ class StageEngine:
         self.args = args
         self.loaded_model = loaded_model
         self.tokenizer = loaded_model.tokenizer
+        if spec.input_processor is None:  # a stage that takes prompts: --tokenizer, --chat-template
+            self.tokenizer = args.customize_tokenizer(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
         self.num_generated_tokens = 0

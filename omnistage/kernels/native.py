@@ -27,11 +27,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from omnistage import envs
 from omnistage.cache_dir import cache_root
 
 __all__ = ["NATIVE_ENV", "native_kernels"]
 
-NATIVE_ENV = "OMNISTAGE_NATIVE"  # "0" turns the native kernels off
+NATIVE_ENV = envs.NATIVE.name  # "0" turns the native kernels off
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
 _REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"}
@@ -91,10 +92,10 @@ def _build(compiler: str, flags: set[str]) -> Path | None:
 @functools.cache
 def native_kernels() -> ctypes.CDLL | None:
     """The native kernel library, or ``None`` where it cannot be built or run here."""
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.native_enabled():
         return None
     flags = _cpu_flags()
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    compiler = shutil.which(envs.cxx())
     if platform.machine() != "x86_64" or not _REQUIRED_CPU_FLAGS <= flags or compiler is None:
         return None
     path = _build(compiler, flags)

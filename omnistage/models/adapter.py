@@ -14,17 +14,17 @@ wrapped) or ``CausalLM.use_lean = False`` selects the HF modeling path.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from omnistage import envs
 from omnistage.models.fast_forward import LeanDecoder, lean_decoder_or_none
 from omnistage.attention.paged_attention import ATTN_IMPL, AttentionMetadata, attention_context
 from omnistage.kernels.argmax import first_argmax
 
-LEAN_ENV = "OMNISTAGE_LEAN_FORWARD"
+LEAN_ENV = envs.LEAN_FORWARD.name
 
 
 class CausalLM:
@@ -56,7 +56,7 @@ class CausalLM:
         self._hidden_size = int(text.hidden_size)
         self._vocab_size = int(text.vocab_size)
         if lean is None:
-            lean = os.environ.get(LEAN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+            lean = envs.lean_forward_enabled()
         self._lean: LeanDecoder | None = lean_decoder_or_none(hf_model) if lean else None
         # Switch to the HF path at any time; the lean one needs a supported model.
         self.use_lean = self._lean is not None

@@ -44,7 +44,6 @@ Only the exact HF classes listed in :data:`LEAN_MODEL_CLASSES` qualify
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from omnistage import envs
 from omnistage.kernels.decode_ops import native_rms_norm, native_rope, native_silu_mul
 from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul
 from omnistage.kernels.native import native_kernels
@@ -59,11 +59,10 @@ from omnistage.attention.paged_attention import AttentionMetadata, paged_attenti
 
 __all__ = ["LEAN_MODEL_CLASSES", "LeanDecoder", "PackedLinear", "lean_decoder_or_none"]
 
-PREPACK_ENV = "OMNISTAGE_PREPACK"  # "0" turns oneDNN weight prepacking off
-PREPACK_MAX_BYTES_ENV = "OMNISTAGE_PREPACK_MAX_BYTES"
-# Prepacking keeps a second copy of the weights it packs; above this many bytes of copies the
-# memory is not worth it.
-PREPACK_MAX_BYTES = 2 << 30
+PREPACK_ENV = envs.PREPACK.name  # "0" turns oneDNN weight prepacking off
+PREPACK_MAX_BYTES_ENV = envs.PREPACK_MAX_BYTES.name
+# Prepacking keeps a second copy of the weights it packs; above OMNISTAGE_PREPACK_MAX_BYTES of
+# copies (default in omnistage.envs) the memory is not worth it.
 # Rows for which the prepacked matmul wins in fp32: below the minimum (batch-1 decode) MKL's gemv
 # on the plain weight is faster, above the maximum (long prefill chunks) MKL's own packing pays off.
 # In bf16 oneDNN's kernels win at every size.
@@ -120,7 +119,7 @@ class PackedLinear:
 
 def prepack_enabled(weights: Sequence[torch.Tensor]) -> bool:
     """Whether to keep oneDNN-prepacked copies of ``weights`` (CPU, fp32/bf16, their size, env)."""
-    if os.environ.get(PREPACK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.prepack_enabled():
         return False
     if not weights or not torch.backends.mkldnn.is_available():
         return False
@@ -129,7 +128,7 @@ def prepack_enabled(weights: Sequence[torch.Tensor]) -> bool:
         return False
     if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
-    limit = int(os.environ.get(PREPACK_MAX_BYTES_ENV, PREPACK_MAX_BYTES))
+    limit = envs.prepack_max_bytes()
     return sum(t.numel() * t.element_size() for t in weights) <= limit
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +77,101 @@ def test_bad_parameters_exit_with_a_one_line_error(model_path, capsys):
     assert cli.main(["generate", "--model", model_path, "--top-p", "0", "hi"]) == 2
     err = capsys.readouterr().err
     assert "top_p" in err and "Traceback" not in err
+
+
+def test_a_malformed_jsonl_line_is_named_by_file_and_line(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hi"}) + "\n" + '{"prompt": oops}\n', encoding="utf-8")
+    assert cli.main(["generate", "--file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:2: not valid JSON" in err and "Traceback" not in err
+    f.write_text(json.dumps({"text": "hi"}) + "\n", encoding="utf-8")
+    assert cli.main(["generate", "--file", str(f)]) == 2
+    assert f"{f}:1: a JSON line needs a 'prompt' key" in capsys.readouterr().err
+
+
+def test_generate_with_audio_dir_warns_for_a_model_that_cannot_speak(model_path, tmp_path, capsys):
+    audio = tmp_path / "audio"
+    assert cli.main(["generate", "--model", model_path, "--max-tokens", "2", "--audio-dir", str(audio), "hi"]) == 0
+    captured = capsys.readouterr()
+    assert "cannot speak" in captured.err and "--audio-dir is ignored" in captured.err
+    assert not audio.exists() and "audio_path" not in _rows(captured.out)[0]
+
+
+def test_chat_commands_and_the_cut_off_mark(model_path, monkeypatch, capsys):
+    # The same message before and after /reset: the same prompt, so the history was dropped.
+    lines = "hello world!\n/help\n/reset\nhello world!\n/nope\n/exit\nnever answered\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    args = ["chat", "--model", model_path, "--max-tokens", "3", "--ignore-eos", "--stats"]
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n") and captured.out.count("\n") == 2  # two answers, each on its line
+    assert "/reset" in captured.err and "[new conversation]" in captured.err and "unknown command /nope" in captured.err
+    assert captured.err.count("[cut off: the answer reached the token limit (3 tokens, --max-tokens 3)]") == 2
+    stats = [line for line in captured.err.splitlines() if line.startswith("[turn")]
+    prompt_lengths = [line.split("/")[1].split()[0] for line in stats]
+    assert len(stats) == 2 and prompt_lengths[0] == prompt_lengths[1]
+
+
+def test_ctrl_c_while_streaming_aborts_the_request_and_frees_its_kv(model_path):
+    import signal
+
+    from omnistage.entrypoints.llm import LLM
+
+    engine = LLM(model=model_path, block_size=4).llm_engine
+    step, calls = engine.step, []
+
+    def step_then_ctrl_c():
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C: delivered to this (main) thread
+        return step()
+
+    engine.step = step_then_ctrl_c
+    params = cli.SamplingParams(max_tokens=200, ignore_eos=True)
+    out = io.StringIO()
+    assert cli.stream_answer(engine, "r", "hello world!", params, out) is None
+    assert len(calls) == 3 and out.getvalue().endswith("\n")
+    assert not engine.has_unfinished_requests() and engine.get_stats().kv_blocks_used == 0
+    engine.step = step
+    final = cli.stream_answer(engine, "r", "hello world!", cli.SamplingParams(max_tokens=3, ignore_eos=True), out)
+    assert final is not None and len(final.outputs[0].token_ids) == 3  # the engine serves on
+
+
+def test_llm_takes_vllm_arguments_tokenizer_and_chat_template(model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from omnistage.entrypoints.llm import LLM
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    tokenizer.save_pretrained(tokenizer_dir)
+    llm = LLM(model=model_path, tensor_parallel_size=1, enforce_eager=True, trust_remote_code=True,
+              gpu_memory_utilization=0.9, disable_log_stats=True, chat_template=template)  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    assert llm.llm_engine.apply_chat_template(messages) == "<user>hi"
+    assert LLM(model=model_path, tokenizer=str(tokenizer_dir)).llm_engine.apply_chat_template(messages) == "[hi]"
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        LLM(model=model_path, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def omni_path(tmp_path_factory):
+    from omnistage.models.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+
+    return str(write_tiny_qwen2_5_omni(tmp_path_factory.mktemp("omni") / "omni"))
+
+
+def test_generate_on_an_omni_checkpoint_writes_audio_only_when_asked(omni_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    common = ["generate", "--model", omni_path, "--max-tokens", "3", "--talker-max-tokens", "8", "hi"]
+    assert cli.main(common) == 0
+    (row,) = _rows(capsys.readouterr().out)
+    assert "audio_path" not in row and not list(tmp_path.rglob("*.wav"))
+    assert cli.main([*common, "--audio-dir", "speech"]) == 0
+    captured = capsys.readouterr()
+    (row,) = _rows(captured.out)
+    assert row["audio_path"] == str(Path("speech") / "0.wav") and (tmp_path / "speech" / "0.wav").stat().st_size > 44
+    assert "wrote 1 spoken answer(s) to speech/" in captured.err

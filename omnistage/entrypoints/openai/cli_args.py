@@ -9,18 +9,25 @@ server until interrupted. ``main()`` does both for
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
-from typing import Any
+import socket
+import sys
+from typing import Any, TextIO
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The engine's flags (``EngineArgs``, the model also positional, as in
+    ``vllm serve MODEL``), then the server's."""
+    from omnistage.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser, model_positional=True)
     server = parser.add_argument_group("server")
-    server.add_argument("--model", default=None, help="checkpoint folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    server.add_argument("--host", default=DEFAULT_HOST)
-    server.add_argument("--port", type=int, default=DEFAULT_PORT)
+    server.add_argument("--host", default=DEFAULT_HOST, help=f"(default: {DEFAULT_HOST})")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"0 picks a free one (default: {DEFAULT_PORT})")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     server.add_argument(
         "--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -30,28 +37,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--allowed-local-media-path", default=None, metavar="DIR",
         help="allow file:// image URLs that resolve inside DIR (off by default)",
     )
-    server.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
-    server.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
-    server.add_argument("--max-audio-seconds", type=float, default=600.0)
+    server.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024, help="(default: 16 MiB)")
+    server.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="(default: 4096x4096)")
+    server.add_argument("--max-audio-seconds", type=float, default=600.0, help="(default: 600)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument(
         "--stats-log-interval", type=float, default=10.0, metavar="SECONDS",
         help="log an engine-stats line this often while busy; 0 turns it off",
     )
 
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32")
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--num-kv-blocks", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--no-prefix-caching", action="store_true", help="disable the KV prefix cache")
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument(
+    omni = parser.add_argument_group("omni checkpoints (speech)")
+    omni.add_argument(
         "--talker-max-tokens", type=int, default=None,
-        help="omni checkpoints: the most codec tokens the talker generates per answer (default 4096)",
+        help="the most codec tokens the talker generates per answer (default 4096)",
     )
     return parser
 
@@ -71,16 +69,55 @@ def server_options_from(args: argparse.Namespace) -> Any:
     )
 
 
-def serve_main(args: argparse.Namespace) -> None:
-    """Build the app and serve it with uvicorn until interrupted."""
+def serve_main(args: argparse.Namespace, err: TextIO | None = None) -> None:
+    """Take the port, load the model, then serve until interrupted.
+
+    The port is bound first, so a busy one fails in a second rather than after
+    the model loaded; a model that does not load fails (``ValueError``) before
+    uvicorn starts. The bound socket is the one uvicorn serves on."""
     import uvicorn
 
     from omnistage.engine.arg_utils import EngineArgs
+    from omnistage.entrypoints.loading import core_engine, load_llm
     from omnistage.entrypoints.openai.api_server import build_app
 
+    err = err or sys.stderr
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(EngineArgs.from_cli_args(args), server_options_from(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    engine_kwargs = EngineArgs.cli_kwargs(args)
+    options = server_options_from(args)
+    sock = listening_socket(args.host, args.port)
+    try:
+        omni = {"talker_params": options.talker_params} if options.talker_params else None
+        _, engine = load_llm(engine_kwargs, err, omni)
+        app = build_app(core_engine(engine).args, options, engine_factory=lambda: engine)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        err.write(f"omnistage serve: listening on http://{shown}:{port} (OpenAI API under /v1; Ctrl-C stops)\n")
+        err.flush()
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port``, or ``ValueError`` saying why not
+    (the port taken, the address not this machine's)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = "; is another server running there? pick another with --port" if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    return sock
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -88,4 +125,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    serve_main(make_arg_parser().parse_args(argv))
+    args = make_arg_parser().parse_args(argv)
+    try:
+        serve_main(args)
+    except (ValueError, OSError) as e:  # one line, as ``omnistage serve`` gives
+        raise SystemExit(f"omnistage serve: error: {e}") from None
