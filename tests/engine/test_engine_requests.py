@@ -243,3 +243,69 @@ def test_metrics_and_stats(engine):
     assert stats.num_generated_tokens == len(PROMPTS) * GREEDY.max_tokens
     assert stats.kv_blocks_total == engine.num_kv_blocks and stats.num_steps > 0
     assert 0.0 <= stats.prefix_cache_hit_rate <= 1.0
+
+
+def _run_to_end(engine) -> dict:
+    """Step until idle; the final output of every request, by id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_a_request_that_cannot_join_the_batch_fails_alone(loaded, monkeypatch):
+    """Issue 13: a request whose state cannot be built in the worker (here: its sampling
+    row raises) fails with finish reason "error"; the request beside it in the same step
+    answers as it would alone, and nothing stays held."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    alone = make_engine(loaded, block_size=4, num_kv_blocks=64, max_model_len=128)
+    alone.add_request("ok", [5, 6, 7, 8, 9], greedy)
+    reference = _run_to_end(alone)["ok"]
+
+    engine = make_engine(loaded, block_size=4, num_kv_blocks=64, max_model_len=128)
+    state = engine.runner.sampling_state
+    real_set_row = state.set_row
+
+    def set_row(row, params):
+        if params.seed == 1234:
+            raise OverflowError("injected: this request's values do not fit the sampler's tensors")
+        real_set_row(row, params)
+
+    monkeypatch.setattr(state, "set_row", set_row)
+    engine.add_request("bad", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=6, seed=1234))
+    engine.add_request("ok", [5, 6, 7, 8, 9], greedy)
+    outs = _run_to_end(engine)
+    assert outs["bad"].outputs[0].finish_reason == "error"
+    assert "request 'bad'" in outs["bad"].error and "injected" in outs["bad"].error
+    assert outs["ok"].outputs[0].token_ids == reference.outputs[0].token_ids
+    assert engine.held().is_empty
+    # The engine keeps serving, and the failed id may be used again.
+    engine.add_request("bad", [5, 6, 7, 8, 9], greedy)
+    assert _run_to_end(engine)["bad"].outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_a_step_that_raises_fails_only_its_requests(loaded, monkeypatch):
+    """Issue 13: when the forward itself raises, the requests of that step fail with
+    finish reason "error", a request still waiting (not in the step) is untouched, and
+    the engine then serves the same prompt with the same answer."""
+    # One request per step: the second waits while the first's step fails.
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    engine = make_engine(loaded, block_size=4, num_kv_blocks=64, max_model_len=128, max_num_seqs=1)
+    real = engine.runner.execute_model
+    calls = {"n": 0}
+
+    def execute_model(so):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected forward failure")
+        return real(so)
+
+    monkeypatch.setattr(engine.runner, "execute_model", execute_model)
+    engine.add_request("first", [5, 6, 7, 8, 9], greedy)
+    engine.add_request("second", [5, 6, 7, 8, 9], greedy)
+    outs = _run_to_end(engine)
+    assert outs["first"].outputs[0].finish_reason == "error" and "injected forward failure" in outs["first"].error
+    assert outs["second"].outputs[0].finish_reason == "length" and outs["second"].error is None
+    assert engine.held().is_empty and engine.scheduler.kv_cache_manager.num_used_blocks == 0

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import omnistage
-from omnistage.models.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 
 ROOT = Path(omnistage.__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "omnistage.entrypoints.cli"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -157,8 +159,10 @@ def test_a_sampling_value_past_the_state_is_refused_before_the_batch_changes(tin
     runner = _runner(loaded)
     bad = SamplingParams(temperature=1.0)
     bad.top_k = 10**20  # past validation at construction; the runner checks again
-    with pytest.raises(ValueError, match=r"'x'.*SamplingParams\.top_k must be"):
-        runner.execute_model(_out(new=[NewRequestData("x", [5, 6, 7], 3, bad, [0], 0)], sched={"x": 3}))
+    # It fails alone: reported in the step's output, with no batch row left behind.
+    failed = runner.execute_model(_out(new=[NewRequestData("x", [5, 6, 7], 3, bad, [0], 0)], sched={"x": 3}))
+    assert list(failed.failed_req_ids) == ["x"] and not failed.req_ids
+    assert re.search(r"'x'.*SamplingParams\.top_k must be", failed.failed_req_ids["x"])
     assert runner.input_batch.num_reqs == 0 and not runner.input_batch.req_id_to_index
     greedy = SamplingParams(temperature=0.0)
     out = runner.execute_model(_out(new=[NewRequestData("y", [5, 6, 7], 3, greedy, [0], 0)], sched={"y": 3}))

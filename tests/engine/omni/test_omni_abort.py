@@ -116,3 +116,20 @@ def test_exception_inside_generate_aborts_its_requests(make_llm: Any) -> None:
     assert_nothing_held(llm)
     out = llm.generate([PROMPTS["bystander"]], SP)[0]
     assert out.audio is not None and out.audio.dtype == np.float32
+
+
+def test_request_id_reused_right_after_an_abort(make_llm: Any, bystander_alone: Any) -> None:
+    """Issue 13, defect 2: an aborted id added again at once (before any stage stepped
+    past the abort) runs as a new request. The old thinker runner dropped the id's
+    per-token registration one step late and so wiped the new request's."""
+    llm = make_llm()
+    pipeline = llm.llm_engine
+    pipeline.add_request("x", PROMPTS["victim"], SP, return_audio=True)
+    pipeline.step()
+    pipeline.step()
+    pipeline.abort_request("x")
+    pipeline.add_request("x", PROMPTS["bystander"], SP, return_audio=True)
+    done = run_until_idle(llm)
+    assert [o.request_id for o in done] == ["x"]
+    assert_same_answer(done[0], bystander_alone)
+    assert_nothing_held(llm)
