@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.engine.omni.pipeline import OmniOptions, OmniPipeline, build_omni_pipeline
+from omnistage.engine.omni.pipeline import OmniPipeline
+from omnistage.engine.omni.qwen2_5_omni import OmniOptions, build_omni_pipeline
 from omnistage.engine.stage_engine import StageEngine
 from omnistage.models.qwen2_5_omni import OmniModel, is_omni_checkpoint, load_qwen2_5_omni
 

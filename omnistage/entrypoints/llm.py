@@ -8,7 +8,7 @@ from typing import Any
 
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.factory import Engine, build_engine
-from omnistage.engine.omni.pipeline import OmniOptions
+from omnistage.engine.omni.qwen2_5_omni import OmniOptions
 from omnistage.engine.stage_engine import EngineStats, PromptType
 from omnistage.entrypoints.progress import ProgressBar
 from omnistage.outputs import RequestOutput

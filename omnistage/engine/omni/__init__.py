@@ -6,7 +6,8 @@ of ``stage_io``. The design is in ``docs/design.md``; the model-specific stage
 math lives in ``omnistage.models.qwen2_5_omni*``.
 """
 
-from omnistage.engine.omni.pipeline import OmniOptions, OmniPipeline, build_omni_pipeline
+from omnistage.engine.omni.pipeline import OmniPipeline
+from omnistage.engine.omni.qwen2_5_omni import OmniOptions, build_omni_pipeline
 from omnistage.engine.omni.stage_io import DEFAULT_SPEAKER, TalkerParams, TalkerRequest, Token2WavRequest, resolve_speaker
 
 __all__ = [

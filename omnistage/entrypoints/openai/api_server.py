@@ -99,7 +99,7 @@ def _default_engine_factory(engine_args: Any, options: ServerOptions) -> Callabl
 
     def make() -> Any:
         from omnistage.engine.factory import build_engine
-        from omnistage.engine.omni.pipeline import OmniOptions
+        from omnistage.engine.omni.qwen2_5_omni import OmniOptions
 
         omni = OmniOptions(talker_params=options.talker_params) if options.talker_params else None
         return build_engine(engine_args, omni)

@@ -44,7 +44,6 @@ from omnistage.entrypoints.openai.serving_common import (
     usage_of,
 )
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.sampling_params import SamplingParams
 
 ENDPOINT = "completions"
 MAX_PROMPTS = 256

@@ -1,0 +1,155 @@
+"""Qwen2.5-Omni as three stage specs: what each stage consumes and runs.
+
+- **thinker**: the multimodal thinker on the paged, prefix-cached scheduler;
+  a request that asks for audio returns its per-token rows (final hidden +
+  input embedding), which the tensor prefix cache keeps whole on prefix hits;
+- **talker**: codec tokens from those rows, on a paged scheduler of its own,
+  prefix caching off (its token ids do not identify what the tokens hold);
+  it consumes a ``TalkerRequest`` and samples with the ``TalkerParams``;
+- **token2wav**: one-shot, codes to a waveform per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.input_processor import ProcessedInputs
+from omnistage.engine.omni.pipeline import OmniPipeline
+from omnistage.engine.omni.stage_io import TalkerParams, TalkerRequest, Token2WavRequest
+from omnistage.engine.stage import StageSpec
+from omnistage.engine.stage_engine import StageEngine
+from omnistage.models.loader import LoadedModel
+from omnistage.models.qwen2_5_omni import OmniModel
+from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker
+from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
+
+__all__ = ["OmniOptions", "build_omni_pipeline"]
+
+TALKER_KV_CACHE_BYTES = 256 * 1024**2  # the talker's KV pool when no block count is given
+
+
+@dataclass(frozen=True)
+class OmniOptions:
+    """What an omni checkpoint adds to the engine arguments.
+
+    - ``talker_params``: overrides of the talker's sampling (``TalkerParams``:
+      transformers' defaults; ``{"temperature": 0.0}`` is greedy);
+    - ``talker_match_transformers_unpadded``: reproduce transformers 5.24's
+      single-request talker path (see ``Qwen2_5OmniTalker``);
+    - ``enable_tensor_prefix_cache``: keep the thinker's per-token rows beside
+      its KV blocks, so that prefix hits still give the talker every row. Off
+      with prefix caching on makes a hit raise at the hand-off;
+    - ``talker_max_num_seqs``, ``talker_num_kv_blocks``, ``talker_max_model_len``:
+      the talker stage's limits (default: the thinker's batch size, a 256 MiB
+      pool, the thinker's length + 2 + the talker's ``max_tokens``);
+    - ``token2wav_requests_per_step``: waveforms decoded per pipeline step.
+    """
+
+    talker_params: dict[str, Any] | None = None
+    talker_match_transformers_unpadded: bool = False
+    enable_tensor_prefix_cache: bool = True
+    talker_max_num_seqs: int | None = None
+    talker_num_kv_blocks: int | None = None
+    talker_max_model_len: int | None = None
+    token2wav_requests_per_step: int = 1
+
+    @classmethod
+    def split(cls, kwargs: dict[str, Any]) -> tuple[OmniOptions, dict[str, Any]]:
+        """``(options, the rest)`` of keyword arguments given to ``LLM``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        mine = {k: v for k, v in kwargs.items() if k in names}
+        return cls(**mine), {k: v for k, v in kwargs.items() if k not in names}
+
+
+class TalkerInputs:
+    """The talker stage's input processor: a ``TalkerRequest`` becomes the talker's
+    codec prompt ids, with its prefill rows, reply rows and positions
+    (``TalkerPrompt``, built once here) as the request's payload."""
+
+    def __init__(self, prep: Qwen2_5OmniTalker) -> None:
+        self.prep = prep
+
+    def process(self, request_id: str, request: TalkerRequest) -> ProcessedInputs:
+        prompt = self.prep.prepare(request.handoff, request.speaker_bos_token_id)
+        return ProcessedInputs(None, list(prompt.prompt_codec_ids), payload=prompt)
+
+
+class Token2WavInputs:
+    """The vocoder stage's input processor: the codes ride along as the payload."""
+
+    def __init__(self, speakers: dict[str, Any]) -> None:
+        self.speakers = speakers
+
+    def process(self, request_id: str, request: Token2WavRequest) -> ProcessedInputs:
+        if request.speaker not in self.speakers:
+            raise ValueError(f"token2wav request {request_id!r}: unknown speaker {request.speaker!r}")
+        return ProcessedInputs(None, list(request.codes), payload=request)
+
+
+class Token2WavModel:
+    """Qwen2.5-Omni's token2wav as a one-shot stage model: ``{"audio": 1-D float32}``.
+
+    Each request's initial noise comes from its own seed, so its audio does
+    not depend on what ran before it."""
+
+    def __init__(self, token2wav: Qwen2_5OmniToken2Wav) -> None:
+        self.token2wav = token2wav
+
+    def __call__(self, request: Token2WavRequest) -> dict[str, np.ndarray]:
+        return {"audio": self.token2wav(request.codes, request.speaker, seed=request.seed)}
+
+
+def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions | None = None) -> OmniPipeline:
+    """The three stages of a loaded Qwen2.5-Omni checkpoint (only the thinker's
+    without a talker), sharing its weights; each owns its KV cache."""
+    options = options or OmniOptions()
+    thinker = StageEngine(
+        args, omni.thinker, StageSpec("thinker", enable_tensor_cache=options.enable_tensor_prefix_cache)
+    )
+    if not omni.has_audio_output:
+        return OmniPipeline(thinker, None, None, omni.speakers, None, seed=args.seed)
+    config = omni.talker_module.config
+    defaults = TalkerParams.defaults(config, **(options.talker_params or {}))
+    max_len = options.talker_max_model_len or min(
+        int(config.max_position_embeddings), thinker.max_model_len + 2 + defaults.max_tokens
+    )
+    talker_args = dataclasses.replace(
+        args,
+        num_kv_blocks=options.talker_num_kv_blocks,
+        kv_cache_memory_bytes=TALKER_KV_CACHE_BYTES,
+        max_num_seqs=options.talker_max_num_seqs or args.max_num_seqs,
+        max_model_len=max_len,
+    )
+    talker_model = LoadedModel(
+        model=omni.paged_talker,  # type: ignore[arg-type]
+        tokenizer=None,  # codec ids are not text
+        hf_config=config,
+        eos_token_ids=[],  # the stops come from TalkerParams
+        max_model_len=int(config.max_position_embeddings),
+        model_path=omni.thinker.model_path,
+        name=f"{omni.thinker.name}:talker",
+    )
+    prep = Qwen2_5OmniTalker(omni.talker_module, omni.talker_text_rows, options.talker_match_transformers_unpadded)
+    talker = StageEngine(
+        talker_args, talker_model, StageSpec("talker", input_processor=TalkerInputs(prep), enable_prefix_caching=False)
+    )
+    vocoder_model = dataclasses.replace(
+        talker_model, model=Token2WavModel(omni.token2wav), name=f"{omni.thinker.name}:token2wav"  # type: ignore[arg-type]
+    )
+    vocoder = StageEngine(
+        args,
+        vocoder_model,
+        StageSpec(
+            "token2wav",
+            kind="one_shot",
+            input_processor=Token2WavInputs(omni.speakers),
+            max_requests_per_step=options.token2wav_requests_per_step,
+        ),
+    )
+    sample_rate = int(omni.token2wav.sample_rate)  # type: ignore[union-attr]
+    return OmniPipeline(thinker, talker, vocoder, omni.speakers, defaults, seed=args.seed, sample_rate=sample_rate)
