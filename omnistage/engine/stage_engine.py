@@ -92,14 +92,16 @@ class StageEngine:
         self.num_generated_tokens = 0
         self.eos_token_ids = list(getattr(loaded_model, "eos_token_ids", None) or [])
         if spec.kind == "one_shot":
-            self.vocab_size = 0
-            self.max_model_len = 0
-            self.num_kv_blocks = 0
-            self.input_processor = spec.input_processor
-            self.input_modalities = frozenset()
+            self.vocab_size = self.max_model_len = self.num_kv_blocks = 0
+            self.input_processor, self.input_modalities = spec.input_processor, frozenset()
             self.scheduler: Scheduler | OneShotScheduler = OneShotScheduler(spec.max_requests_per_step)
             self.runner: ModelRunner | OneShotRunner = OneShotRunner(loaded_model.model)
-            return
+        else:
+            self._build_autoregressive(args, loaded_model, spec)
+
+    def _build_autoregressive(self, args: EngineArgs, loaded_model: Any, spec: StageSpec) -> None:
+        """KV pool sized from the arguments, the paged scheduler, the model runner;
+        for a stage that takes prompts, their tokenizer and media processor."""
         model = loaded_model.model
         self.vocab_size = model.vocab_size
         self.max_model_len = args.resolve_max_model_len(loaded_model.max_model_len)
@@ -107,23 +109,23 @@ class StageEngine:
             model.num_layers, args.block_size, model.num_kv_heads, model.head_dim, model.dtype
         )
         self.num_kv_blocks = args.resolve_num_kv_blocks(per_block, self.max_model_len)
-        mm_processor = None
         encoder_budget, encoder_cache_size = 0, 0
-        if spec.input_processor is None and getattr(loaded_model, "mm_adapter", None) is not None:
-            from omnistage.multimodal.processing import MultiModalProcessor
+        if spec.input_processor is not None:
+            self.input_processor, self.input_modalities = spec.input_processor, frozenset()
+        else:
+            mm_processor = None
+            if getattr(loaded_model, "mm_adapter", None) is not None:
+                from omnistage.multimodal.processing import MultiModalProcessor
 
-            mm_processor = MultiModalProcessor.from_pretrained(loaded_model.model_path, tokenizer=self.tokenizer)
-            encoder_budget, encoder_cache_size = compute_mm_encoder_budget(
-                args.max_num_batched_tokens,
-                mm_processor.max_tokens_per_item(),
-                args.max_num_batched_encoder_embeds,
-                args.encoder_cache_size,
-            )
-        if spec.input_processor is None:
+                mm_processor = MultiModalProcessor.from_pretrained(loaded_model.model_path, tokenizer=self.tokenizer)
+                encoder_budget, encoder_cache_size = compute_mm_encoder_budget(
+                    args.max_num_batched_tokens,
+                    mm_processor.max_tokens_per_item(),
+                    args.max_num_batched_encoder_embeds,
+                    args.encoder_cache_size,
+                )
             self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, mm_processor)
             self.input_modalities = self.input_processor.input_modalities
-        else:
-            self.input_processor, self.input_modalities = spec.input_processor, frozenset()
         prefix_caching = args.enable_prefix_caching and spec.enable_prefix_caching
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -192,10 +194,11 @@ class StageEngine:
             raise ValueError(
                 f"request {request_id!r}: sampling_params must be SamplingParams, got {type(params).__name__}"
             )
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(
-                f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}"
-            )
+        if self.vocab_size:  # logprobs and allowed ids within the model's vocabulary
+            try:
+                params.check_vocab(self.vocab_size)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
         if return_hidden_states and params.n != 1:
             raise ValueError(f"request {request_id!r}: per-token outputs need n=1, got n={params.n}")
         inputs = self.process_inputs(request_id, prompt)

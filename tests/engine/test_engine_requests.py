@@ -309,3 +309,14 @@ def test_a_step_that_raises_fails_only_its_requests(loaded, monkeypatch):
     assert outs["first"].outputs[0].finish_reason == "error" and "injected forward failure" in outs["first"].error
     assert outs["second"].outputs[0].finish_reason == "length" and outs["second"].error is None
     assert engine.held().is_empty and engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_vocabulary_limits_are_checked_at_admission(engine):
+    """logprobs and allowed_token_ids past the vocabulary are refused by name before
+    anything is queued (they used to fail only when the worker built the row)."""
+    too_big = engine.vocab_size + 5
+    with pytest.raises(ValueError, match=r"request 'a': SamplingParams\.allowed_token_ids must be ids below"):
+        engine.add_request("a", PROMPTS[0], SamplingParams(allowed_token_ids=[1, too_big]))
+    with pytest.raises(ValueError, match=r"request 'b': SamplingParams\.logprobs .* exceeds the vocabulary size"):
+        engine.add_request("b", PROMPTS[0], SamplingParams(logprobs=too_big))
+    assert not engine.has_unfinished_requests() and not engine.output_processor.states
