@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,9 @@ class LLM:
     def __init__(self, model: Any = None, **kwargs: Any) -> None:
         options, engine_kwargs = OmniOptions.split(kwargs)
         loaded = None
-        if model is not None and not isinstance(model, str):
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        elif model is not None and not isinstance(model, str):  # a model already loaded
             loaded = model
             model = getattr(getattr(model, "thinker", model), "model_path", None)
         args = EngineArgs(model=model, **engine_kwargs)
