@@ -116,7 +116,7 @@ def _readme_blocks() -> list[Block]:
     return parse_blocks(README.read_text(encoding="utf-8"))
 
 
-def _run_blocks() -> list[pytest.param]:
+def _run_blocks() -> list[object]:  # pytest.param sets
     params = []
     for block in _readme_blocks():
         if block.language not in RUN_LANGUAGES or block.served:
@@ -243,7 +243,8 @@ def _check(block: Block, work: Path, env: dict[str, str], port: str = README_POR
 def _check_output(block: Block, actual: list[str], report: str, port: str = README_PORT) -> None:
     if block.expected is not None:
         shown = re.sub(rf"\b{README_PORT}\b", port, block.expected.code)
-        assert _matches_in_order(shown, actual), f"README.md:{block.expected.line} shows output this block does not print\n{report}"
+        where = f"README.md:{block.expected.line}"
+        assert _matches_in_order(shown, actual), f"{where} shows output this block does not print\n{report}"
 
 
 def _serve_and_check(block: Block, work: Path, env: dict[str, str]) -> None:
@@ -266,14 +267,24 @@ def _serve_and_check(block: Block, work: Path, env: dict[str, str]) -> None:
         port = listening.group(1)
         _check(block.client, work, env, port)
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGINT)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-    _check_output(block, log.read_text().splitlines(), _report(block, server.returncode, log.read_text(), ""), port)
+        stopped = _stop_with_ctrl_c(server)
+    report = _report(block, server.returncode, log.read_text(), "(merged into stdout)")
+    assert stopped, f"the server did not stop within 30 s of Ctrl-C\n{report}"
+    _check_output(block, log.read_text().splitlines(), report, port)
+
+
+def _stop_with_ctrl_c(server: subprocess.Popen) -> bool:
+    """SIGINT to the server's process group; True when it then exits by itself."""
+    if server.poll() is not None:
+        return True
+    os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(timeout=30)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        return False
 
 
 @pytest.mark.parametrize("block", _run_blocks())
