@@ -89,7 +89,12 @@ def serve_main(args: argparse.Namespace, err: TextIO | None = None) -> None:
     try:
         omni = {"talker_params": options.talker_params} if options.talker_params else None
         _, engine = load_llm(engine_kwargs, err, omni)
-        app = build_app(core_engine(engine).args, options, engine_factory=lambda: engine)
+        loaded = [engine]  # the first build is the engine just loaded; a rebuild loads anew
+
+        def engine_factory() -> Any:
+            return loaded.pop() if loaded else load_llm(engine_kwargs, err, omni)[1]
+
+        app = build_app(core_engine(engine).args, options, engine_factory=engine_factory)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         err.write(f"omnistage serve: listening on http://{shown}:{port} (OpenAI API under /v1; Ctrl-C stops)\n")

@@ -106,7 +106,15 @@ class RequestStream:
 
 
 class EngineClient:
-    """Runs an engine in a background thread and exposes it to asyncio code."""
+    """Runs an engine in a background thread and exposes it to asyncio code.
+
+    Failure policy: a request the engine fails alone gets its error and the
+    others go on (the engine contains failed steps itself). Should the engine
+    loop die anyway (its clean-up after a failure left KV blocks held), every
+    request in flight and every queued command fails, and the engine is
+    rebuilt from the factory; while it is rebuilt the client is unhealthy
+    (503), then it serves again. Only a rebuild that fails leaves it dead.
+    """
 
     def __init__(self, engine_factory: Callable[[], Any]) -> None:
         self._factory = engine_factory
@@ -197,16 +205,26 @@ class EngineClient:
             self._ready.set()
             return
         self._ready.set()
-        streams: dict[str, RequestStream] = {}
-        try:
-            self._loop(streams)
-        except BaseException as exc:  # noqa: BLE001 - a broken engine must fail its requests, not hang them
-            logger.error("engine loop died: %s\n%s", exc, traceback.format_exc())
-            self._dead = exc
-            err = EngineDeadError(f"engine failed: {exc!r}")
-            self._drain_after_death(err)
-            self._deliver([(s, err) for s in streams.values()])
-            streams.clear()
+        while True:
+            streams: dict[str, RequestStream] = {}
+            try:
+                self._loop(streams)
+                return  # stopped
+            except BaseException as exc:  # noqa: BLE001 - a broken engine must fail its requests, not hang them
+                logger.error("engine loop died: %s\n%s", exc, traceback.format_exc())
+                self._dead = exc
+                err = EngineDeadError(f"engine failed: {exc!r}")
+                self._drain_after_death(err)
+                self._deliver([(s, err) for s in streams.values()])
+            try:
+                logger.warning("rebuilding the engine")
+                self.engine = self._factory()
+            except BaseException as rebuild:  # noqa: BLE001 - nothing left to serve with
+                logger.error("rebuilding the engine failed: %s\n%s", rebuild, traceback.format_exc())
+                return
+            self._drain_after_death(EngineDeadError("the engine was rebuilt; send the request again"))
+            self._dead = None
+            logger.warning("the engine was rebuilt and serves again")
 
     def _drain_after_death(self, err: BaseException) -> None:
         """Fail commands still queued so no caller waits forever."""

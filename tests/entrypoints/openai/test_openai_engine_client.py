@@ -161,10 +161,7 @@ class _AbortFails(FakeEngine):
         raise RuntimeError("abort broke too")
 
 
-def test_failed_cleanup_after_step_failure_kills_the_engine() -> None:
-    client = EngineClient(lambda: _AbortFails(fail_on_step=2))
-    client.start()
-
+def _fail_one_request(client: EngineClient) -> None:
     async def main():
         stream = await client.add_request("r", "p", 100)
         with pytest.raises(EngineStepError, match="boom"):
@@ -172,10 +169,45 @@ def test_failed_cleanup_after_step_failure_kills_the_engine() -> None:
                 pass
 
     _run(main())
-    for _ in range(200):  # the loop dies right after delivering the error
-        if not client.is_healthy:
-            break
+
+
+def _wait_until(predicate, seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if predicate():
+            return
         threading.Event().wait(0.01)
+
+
+def test_failed_cleanup_after_step_failure_rebuilds_the_engine() -> None:
+    """The loop dies when the clean-up fails; the client builds a new engine and serves again."""
+    built: list[FakeEngine] = []
+
+    def factory() -> FakeEngine:
+        built.append(_AbortFails(fail_on_step=2) if not built else FakeEngine())
+        return built[-1]
+
+    client = EngineClient(factory)
+    client.start()
+    _fail_one_request(client)
+    _wait_until(lambda: len(built) == 2 and client.is_healthy)
+    assert len(built) == 2 and client.is_healthy and client.engine is built[1]
+    assert client.call_sync(lambda e: e is built[1])
+    client.shutdown()
+
+
+def test_a_rebuild_that_fails_leaves_the_client_dead() -> None:
+    calls = {"n": 0}
+
+    def factory() -> FakeEngine:
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("the checkpoint is gone")
+        return _AbortFails(fail_on_step=2)
+
+    client = EngineClient(factory)
+    client.start()
+    _fail_one_request(client)
+    _wait_until(lambda: not client.is_healthy and calls["n"] > 1)
     assert not client.is_healthy and "abort broke too" in repr(client.dead_reason)
     with pytest.raises(EngineDeadError):
         client.call_sync(lambda e: None)

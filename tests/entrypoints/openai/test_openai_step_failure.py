@@ -1,5 +1,5 @@
 """A step that raises fails the requests in flight (500), frees what they held, and the
-server keeps serving; only a failed clean-up kills the engine (and /health says so)."""
+server keeps serving; a failed clean-up gets the engine rebuilt (503 meanwhile)."""
 
 from __future__ import annotations
 
@@ -125,18 +125,25 @@ def test_failed_step_fails_in_flight_requests_and_server_recovers(own_server: Se
     assert server.wait_idle().kv_blocks_used == 0
 
 
-def test_failed_cleanup_marks_engine_dead(own_server: Server, monkeypatch) -> None:
+def test_failed_cleanup_rebuilds_the_engine(own_server: Server, monkeypatch) -> None:
+    """Issue 13: the server never answers 503 to everything while it lives. When even
+    the clean-up after a failed step fails (KV blocks stay held), the request fails,
+    /health says 503 while the engine is rebuilt, and then the server answers as before."""
     server = own_server
-    _fail_next_step(monkeypatch, server.app.state.engine_client.engine, also_break_abort=True)
+    client = server.app.state.engine_client
+    reference = httpx.post(f"{server.v1}/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
+    broken = client.engine
+    _fail_next_step(monkeypatch, broken, also_break_abort=True)
     resp = httpx.post(f"{server.v1}/completions", json=BODY, timeout=60)
     assert resp.status_code == 500 and resp.json()["error"]["code"] == "engine_step_failed"
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         health = httpx.get(f"{server.base_url}/health")
-        if health.status_code == 503:
+        if health.status_code == 200 and client.engine is not broken:
             break
-        time.sleep(0.02)
-    assert health.status_code == 503 and "injected abort failure" in health.json()["reason"]
+        time.sleep(0.05)
+    assert health.json() == {"status": "ok"} and client.engine is not broken
     again = httpx.post(f"{server.v1}/completions", json=BODY, timeout=60)
-    assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
+    assert server.wait_idle().kv_blocks_used == 0
