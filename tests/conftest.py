@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles for the property tests (tests/*/test_properties_*.py).
+# "ci" (the default) is derandomized, so every run explores the same cases and a
+# failure reproduces; it keeps those files under a minute together. For a longer
+# search with fresh random cases run e.g.
+#   HYPOTHESIS_PROFILE=long python -m pytest tests/core/test_properties_kv.py
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.register_profile("long", max_examples=1000, stateful_step_count=100, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="module")

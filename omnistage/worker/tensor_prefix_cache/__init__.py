@@ -12,7 +12,7 @@
   sampling, and the splitting of step tensors among requests.
 """
 
-from omnistage.worker.tensor_prefix_cache.cache import OmniTensorPrefixCache
+from omnistage.worker.tensor_prefix_cache.cache import HIDDEN_KEY, OmniTensorPrefixCache
 from omnistage.worker.tensor_prefix_cache.step_cache import StepTensorCache
 
-__all__ = ["OmniTensorPrefixCache", "StepTensorCache"]
+__all__ = ["HIDDEN_KEY", "OmniTensorPrefixCache", "StepTensorCache"]
