@@ -195,8 +195,15 @@ class ChatServing:
             modality = "image" if isinstance(part, ImagePart) else "audio"
             if role != "user":
                 raise bad_request(f"{part_param}: only user messages may hold {modality} parts, not {role!r}", param=part_param)
-            # Decode first (off the event loop: a large PNG takes a while), so
-            # corrupt data gets its own error even on a text-only model.
+            # What the model takes comes first: audio sent to a text model is that,
+            # whatever its bytes. Then decode (off the event loop: a large PNG takes a while).
+            if modality not in ctx.input_modalities:
+                raise bad_request(
+                    f"{part_param}: model {ctx.model_name!r} does not accept {modality} input "
+                    f"(it accepts {sorted(ctx.input_modalities)})",
+                    param=part_param,
+                    code="unsupported_modality",
+                )
             if isinstance(part, ImagePart):
                 item: Any = await asyncio.to_thread(
                     load_image, part.image_url.url, ctx.media_limits, f"{part_param}.image_url.url"
@@ -206,13 +213,6 @@ class ChatServing:
                     decode_audio, part.input_audio.data, part.input_audio.format, ctx.media_limits, f"{part_param}.input_audio"
                 )
                 item = (audio.samples, audio.sample_rate)
-            if modality not in ctx.input_modalities:
-                raise bad_request(
-                    f"{part_param}: model {ctx.model_name!r} does not accept {modality} input "
-                    f"(it accepts {sorted(ctx.input_modalities)})",
-                    param=part_param,
-                    code="unsupported_modality",
-                )
             # The engine's processor turns the item into placeholder tokens + encoder inputs.
             texts.append({"type": modality, modality: item})
         return texts
