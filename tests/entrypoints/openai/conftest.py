@@ -1,5 +1,9 @@
 """Servers for the OpenAI-server tests: uvicorn in a background thread on a free
-loopback port, serving tiny local checkpoints (built once per session)."""
+loopback port, serving tiny local checkpoints (built once per session).
+
+``server`` runs a text-only model; ``media_server`` a model that takes images
+and audio, for the tests of how media is decoded (a text-only model refuses
+any media part before decoding it)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,17 @@ import pytest
 import torch
 
 from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_omni_thinker
 
-from oai_helpers import TEST_MAX_AUDIO_SECONDS, TEST_MAX_BODY_BYTES, TEST_MAX_IMAGE_PIXELS, TINY_MODEL_NAME, Server, start_server
+from oai_helpers import (
+    TEST_MAX_AUDIO_SECONDS,
+    TEST_MAX_BODY_BYTES,
+    TEST_MAX_IMAGE_PIXELS,
+    TINY_MEDIA_MODEL_NAME,
+    TINY_MODEL_NAME,
+    Server,
+    start_server,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,6 +58,26 @@ def server(tiny_checkpoints, tmp_path_factory) -> Iterator[Server]:
     )
     try:
         yield Server(thread, app, TINY_MODEL_NAME, media_dir)
+    finally:
+        thread.stop()
+
+
+@pytest.fixture(scope="session")
+def media_server(tmp_path_factory) -> Iterator[Server]:
+    """A tiny Qwen2.5-Omni thinker (text, image, video and audio in) with the
+    shared server's media and body limits and its own local media folder."""
+    path = write_tiny_qwen2_5_omni_thinker(tmp_path_factory.mktemp("tiny_omni_thinker"))
+    media_dir = tmp_path_factory.mktemp("media_for_omni")
+    thread, app = start_server(
+        Path(path),
+        TINY_MEDIA_MODEL_NAME,
+        media_dir,
+        max_image_pixels=TEST_MAX_IMAGE_PIXELS,
+        max_audio_seconds=TEST_MAX_AUDIO_SECONDS,
+        max_request_body_bytes=TEST_MAX_BODY_BYTES,
+    )
+    try:
+        yield Server(thread, app, TINY_MEDIA_MODEL_NAME, media_dir)
     finally:
         thread.stop()
 

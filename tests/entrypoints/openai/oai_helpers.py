@@ -56,6 +56,7 @@ def wav_b64(seconds: float = 0.1, sample_rate: int = 16000) -> str:
 
 
 TINY_MODEL_NAME = "tiny-llama"
+TINY_MEDIA_MODEL_NAME = "tiny-omni-thinker"  # conftest's media_server: takes images and audio
 # Small limits so the hardening tests need only small payloads.
 TEST_MAX_IMAGE_PIXELS = 64 * 64
 TEST_MAX_AUDIO_SECONDS = 1.0

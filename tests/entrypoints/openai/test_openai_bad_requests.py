@@ -1,5 +1,10 @@
 """Table of bad requests: each gets its 4xx with an OpenAI error body naming the
-problem, and a good request still succeeds right after it."""
+problem, and a good request still succeeds right after it.
+
+Most cases go to the text-only tiny model. Media that cannot be decoded goes
+to a model that takes that media (conftest's ``media_server``): a text-only
+model refuses every image or audio part for its modality before decoding it,
+whatever its bytes (cases "... on text model")."""
 
 from __future__ import annotations
 
@@ -11,7 +16,15 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from oai_helpers import TEST_MAX_BODY_BYTES, TEST_MAX_MODEL_LEN, TINY_MODEL_NAME, png_data_url, wav_b64, wav_bytes
+from oai_helpers import (
+    TEST_MAX_BODY_BYTES,
+    TEST_MAX_MODEL_LEN,
+    TINY_MEDIA_MODEL_NAME,
+    TINY_MODEL_NAME,
+    png_data_url,
+    wav_b64,
+    wav_bytes,
+)
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
@@ -20,6 +33,11 @@ USER = [{"role": "user", "content": "hello"}]
 
 def chat(**kw: Any) -> dict[str, Any]:
     return {"model": TINY_MODEL_NAME, "messages": USER, "max_tokens": 2, **kw}
+
+
+def media_chat(**kw: Any) -> dict[str, Any]:
+    """A chat body for conftest's ``media_server``, whose model takes images and audio."""
+    return chat(model=TINY_MEDIA_MODEL_NAME, **kw)
 
 
 def compl(**kw: Any) -> dict[str, Any]:
@@ -49,6 +67,7 @@ class Case:
     code: str | None = None
     method: str = "POST"
     headers: dict[str, str] = field(default_factory=dict)
+    server: str = "server"  # the fixture of the server it goes to: "server" (text only) or "media_server"
 
 
 LONG_IDS = list(range(1, 300))  # > TEST_MAX_MODEL_LEN tokens
@@ -72,29 +91,29 @@ CASES = [
         "part missing field", CHAT, chat(messages=user_parts({"type": "text"})), 400, "Missing", "messages[0].content[1].text",
     ),
     Case(
-        "image bad base64", CHAT, chat(messages=user_parts(image("data:image/png;base64,!!!!"))), 400, "invalid base64",
-        "messages[0].content[1].image_url.url", "invalid_base64",
+        "image bad base64", CHAT, media_chat(messages=user_parts(image("data:image/png;base64,!!!!"))), 400, "invalid base64",
+        "messages[0].content[1].image_url.url", "invalid_base64", server="media_server",
     ),
     Case(
         "image not an image", CHAT,
-        chat(messages=user_parts(image("data:image/png;base64," + base64.b64encode(b"hello").decode()))), 400,
-        "could not decode image", "messages[0].content[1].image_url.url", "invalid_image",
+        media_chat(messages=user_parts(image("data:image/png;base64," + base64.b64encode(b"hello").decode()))), 400,
+        "could not decode image", "messages[0].content[1].image_url.url", "invalid_image", server="media_server",
     ),
     Case(
-        "image too many pixels", CHAT, chat(messages=user_parts(image(png_data_url(100, 100)))), 400, "100x100",
-        "messages[0].content[1].image_url.url", "image_too_large",
+        "image too many pixels", CHAT, media_chat(messages=user_parts(image(png_data_url(100, 100)))), 400, "100x100",
+        "messages[0].content[1].image_url.url", "image_too_large", server="media_server",
     ),
     Case(
-        "remote image url", CHAT, chat(messages=user_parts(image("https://example.com/x.png"))), 400, "remote",
-        "messages[0].content[1].image_url.url", "remote_url_not_allowed",
+        "remote image url", CHAT, media_chat(messages=user_parts(image("https://example.com/x.png"))), 400, "remote",
+        "messages[0].content[1].image_url.url", "remote_url_not_allowed", server="media_server",
     ),
     Case(
-        "local path escaping root", CHAT, chat(messages=user_parts(image("file:///etc/passwd"))), 400, "outside",
-        "messages[0].content[1].image_url.url", "path_not_allowed",
+        "local path escaping root", CHAT, media_chat(messages=user_parts(image("file:///etc/passwd"))), 400, "outside",
+        "messages[0].content[1].image_url.url", "path_not_allowed", server="media_server",
     ),
     Case(
-        "local path with dotdot", CHAT, chat(messages=user_parts(image("file:///tmp/../etc/passwd"))), 400, "'..'",
-        "messages[0].content[1].image_url.url", "path_not_allowed",
+        "local path with dotdot", CHAT, media_chat(messages=user_parts(image("file:///tmp/../etc/passwd"))), 400, "'..'",
+        "messages[0].content[1].image_url.url", "path_not_allowed", server="media_server",
     ),
     Case(
         "valid image on text model", CHAT, chat(messages=user_parts(image(png_data_url(8, 8)))), 400,
@@ -106,25 +125,39 @@ CASES = [
         "only user messages", "messages[0].content[0]",
     ),
     Case(
-        "audio bad base64", CHAT, chat(messages=user_parts(audio("#$%^"))), 400, "invalid base64",
-        "messages[0].content[1].input_audio.data", "invalid_base64",
+        "audio bad base64", CHAT, media_chat(messages=user_parts(audio("#$%^"))), 400, "invalid base64",
+        "messages[0].content[1].input_audio.data", "invalid_base64", server="media_server",
     ),
     Case(
-        "audio not wav", CHAT, chat(messages=user_parts(audio(base64.b64encode(b"OggS....").decode()))), 400, "not a WAV",
-        "messages[0].content[1].input_audio.data", "invalid_audio",
+        "audio not wav", CHAT, media_chat(messages=user_parts(audio(base64.b64encode(b"OggS....").decode()))), 400, "not a WAV",
+        "messages[0].content[1].input_audio.data", "invalid_audio", server="media_server",
     ),
     Case(
         "audio too long", CHAT,
-        chat(messages=user_parts(audio(base64.b64encode(wav_bytes(np.zeros(16000 * 2), 16000)).decode()))), 400,
-        "2.0 s", "messages[0].content[1].input_audio.data", "audio_too_long",
+        media_chat(messages=user_parts(audio(base64.b64encode(wav_bytes(np.zeros(16000 * 2), 16000)).decode()))), 400,
+        "2.0 s", "messages[0].content[1].input_audio.data", "audio_too_long", server="media_server",
     ),
     Case(
-        "audio mp3", CHAT, chat(messages=user_parts(audio(wav_b64(), "mp3"))), 400, "mp3",
-        "messages[0].content[1].input_audio.format", "unsupported_audio_format",
+        "audio mp3", CHAT, media_chat(messages=user_parts(audio(wav_b64(), "mp3"))), 400, "mp3",
+        "messages[0].content[1].input_audio.format", "unsupported_audio_format", server="media_server",
     ),
     Case(
         "valid audio on text model", CHAT, chat(messages=user_parts(audio(wav_b64(0.1)))), 400, "does not accept audio input",
         "messages[0].content[1]", "unsupported_modality",
+    ),
+    # Issue 12: what the model takes is checked before the part is decoded, so
+    # bytes no decoder reads still get the modality error, naming the part.
+    Case(
+        "undecodable image on text model", CHAT, chat(messages=user_parts(image("data:image/png;base64,!!!!"))), 400,
+        "does not accept image input", "messages[0].content[1]", "unsupported_modality",
+    ),
+    Case(
+        "not-a-WAV audio on text model", CHAT, chat(messages=user_parts(audio(base64.b64encode(b"OggS....").decode()))), 400,
+        "does not accept audio input", "messages[0].content[1]", "unsupported_modality",
+    ),
+    Case(
+        "mp3 audio on text model", CHAT, chat(messages=user_parts(audio(wav_b64(), "mp3"))), 400,
+        "does not accept audio input", "messages[0].content[1]", "unsupported_modality",
     ),
     Case("audio output on text model", CHAT, chat(modalities=["audio"]), 400, "cannot produce", "modalities", "unsupported_modality"),
     Case("audio params without modality", CHAT, chat(audio={"voice": "x", "format": "wav"}), 400, "modalities", "audio"),
@@ -177,20 +210,22 @@ def _send(http: httpx.Client, case: Case) -> httpx.Response:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_request(server, http: httpx.Client, case: Case) -> None:
-    resp = _send(http, case)
-    assert resp.status_code == case.status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert case.words in err["message"], err
-    if case.param is not None:
-        assert err["param"] == case.param, err
-    if case.code is not None:
-        assert err["code"] == case.code, err
-    # The server keeps serving.
-    good = http.post(CHAT, json=chat())
-    assert good.status_code == 200, good.text
-    assert good.json()["choices"][0]["message"]["content"] is not None
+def test_bad_request(request: pytest.FixtureRequest, case: Case) -> None:
+    server = request.getfixturevalue(case.server)  # the media server starts only when a case needs it
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        resp = _send(http, case)
+        assert resp.status_code == case.status, resp.text
+        err = resp.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert case.words in err["message"], err
+        if case.param is not None:
+            assert err["param"] == case.param, err
+        if case.code is not None:
+            assert err["code"] == case.code, err
+        # The server keeps serving.
+        good = http.post(CHAT, json=chat(model=server.model))
+        assert good.status_code == 200, good.text
+        assert good.json()["choices"][0]["message"]["content"] is not None
 
 
 def test_chunked_body_over_limit(server, http: httpx.Client) -> None:
