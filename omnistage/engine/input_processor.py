@@ -137,9 +137,8 @@ class InputProcessor:
         """A prompt dict for a conversation: the rendered text, its token ids
         (the template holds any BOS, so none is added) and the media of its
         content parts as ``multi_modal_data``."""
-        template_messages, mm_data = split_chat_media(messages)
-        if mm_data and self.mm_processor is None:
-            raise ValueError(f"this model takes text only; the messages hold {sorted(mm_data)} parts")
+        # Parts of a modality the model does not take are refused there, before they are read.
+        template_messages, mm_data = split_chat_media(messages, self.input_modalities)
         text = self.render_chat(template_messages, add_generation_prompt, **kwargs)
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}

@@ -17,17 +17,22 @@ part, which the Qwen chat templates render as the modality's placeholder
 (the media itself never enters the template), and its item is appended to
 ``multi_modal_data[modality]`` in message order, the order in which the
 template emits the placeholders. Messages without media pass unchanged.
+
+Given the model's input modalities, a part of another modality is refused
+for that before anything of it is read: audio sent to a text model is that,
+whatever its bytes or format (the OpenAI server checks in the same order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 __all__ = ["split_chat_media"]
 
 _DIRECT = {"image": "image", "audio": "audio", "video": "video"}
 _URL = {"image_url": "image", "audio_url": "audio", "video_url": "video"}
+_MODALITY_OF_PART = {**_DIRECT, **_URL, "input_audio": "audio"}
 
 
 def _url(part: Mapping[str, Any], key: str, where: str) -> str:
@@ -64,8 +69,10 @@ def _item(part: Mapping[str, Any], kind: str, where: str) -> tuple[str, Any]:
 
 def split_chat_media(
     messages: Sequence[Mapping[str, Any]],
+    input_modalities: Collection[str] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
-    """``(messages for the chat template, multi_modal_data)``; see the module docstring."""
+    """``(messages for the chat template, multi_modal_data)``; see the module docstring.
+    ``input_modalities``: what the model takes (None: any modality)."""
     out: list[dict[str, Any]] = []
     data: dict[str, list[Any]] = {}
     for i, message in enumerate(messages):
@@ -82,6 +89,11 @@ def split_chat_media(
             if kind == "text":
                 parts.append(dict(part))
                 continue
+            modality = _MODALITY_OF_PART.get(kind)
+            if input_modalities is not None and modality is not None and modality not in input_modalities:
+                raise ValueError(
+                    f"{where}: this model does not take {modality} input (it takes {sorted(input_modalities)})"
+                )
             modality, item = _item(part, kind, where)
             data.setdefault(modality, []).append(item)
             parts.append({"type": modality})

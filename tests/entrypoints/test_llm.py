@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 import torch
 
@@ -81,3 +83,26 @@ def test_get_stats_reports_prefix_hits(llm):
     assert out.num_cached_tokens > 0
     assert stats.prefix_cache_hit_tokens == before + out.num_cached_tokens
     assert stats.kv_blocks_used == 0 and stats.num_generated_tokens > 0
+
+
+def test_chat_media_on_a_text_model_is_refused_for_its_modality_first(llm):
+    """Issue 12: what the model takes is checked before a media part is read,
+    so audio to a text model says so, whatever its bytes or format (never
+    "not a WAV" or "send WAV"), naming the part; nothing is queued."""
+    garbage = base64.b64encode(b"OggS....").decode()
+    parts = {
+        "audio": [
+            {"type": "input_audio", "input_audio": {"data": garbage, "format": "wav"}},
+            {"type": "input_audio", "input_audio": {"data": garbage, "format": "mp3"}},
+            {"type": "audio", "audio": "/no/such/file.wav"},
+        ],
+        "image": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!!"}}],
+    }
+    engine = llm.llm_engine
+    steps = engine.num_steps
+    for modality, cases in parts.items():
+        for part in cases:
+            msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+            with pytest.raises(ValueError, match=rf"^messages\[0\]\.content\[1\]: this model does not take {modality} input"):
+                llm.chat(msgs, GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.num_steps == steps

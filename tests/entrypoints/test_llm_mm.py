@@ -174,3 +174,18 @@ def test_whole_omni_checkpoint_runs_its_thinker(omni, tmp_path):
     assert thinker.input_modalities == {"text", "image", "video", "audio"}
     msgs = [{"role": "user", "content": [{"type": "image", "image": _image(2)}, {"type": "text", "text": "hi"}]}]
     assert _ids(whole.chat(msgs, GREEDY, return_audio=False)) == _ids(omni.chat(msgs, GREEDY, use_tqdm=False))
+
+
+def test_audio_to_a_vision_model_is_refused_for_its_modality_first(vl):
+    """Issue 12 on a model that takes media, but not audio: an audio part is
+    refused for what it is before it is read (never "not a WAV" or "send WAV"),
+    naming the part, while an undecodable image still reaches the decoder."""
+    garbage = base64.b64encode(b"OggS....").decode()
+    for fmt in ("wav", "mp3"):
+        part = {"type": "input_audio", "input_audio": {"data": garbage, "format": fmt}}
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+        with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: this model does not take audio input"):
+            vl.chat(msgs, GREEDY, use_tqdm=False)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!!"}}
+    with pytest.raises(ValueError, match="image item 0: invalid base64"):
+        vl.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}], GREEDY, use_tqdm=False)
