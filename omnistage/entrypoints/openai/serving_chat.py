@@ -1,11 +1,11 @@
 """``POST /v1/chat/completions``: messages -> chat template -> engine -> choices.
 
 Order of checks, each failing with its own 400: the model name, output
-modalities, unsupported parameters, every message and content part (images and
-audio are decoded and limit-checked even though a text-only model then refuses
-them, so that a broken file is reported as broken rather than as unsupported),
-sampling values, the chat template, and finally the engine's own checks (prompt
-length, token ids).
+modalities, unsupported parameters, every message and content part (an image or
+audio part is first checked against the model's input modalities, so audio sent
+to a text model is reported as such whatever its bytes; only then decoded and
+limit-checked), sampling values, the chat template, and finally the engine's own
+checks (prompt length, token ids).
 
 Audio output (omni checkpoints, ``modalities: ["text", "audio"]``): the answer
 comes back as OpenAI's ``message.audio`` (base64 16-bit mono WAV plus its
