@@ -33,7 +33,8 @@ the thinker width:
 
 Positions are ``get_rope_index`` over the text ids ``prompt ++ [speaker bos,
 first generated token]`` (identical to the thinker's M-RoPE positions of the
-prompt), then ``index + rope_delta``. Generation suppresses ``codec_bos``,
+prompt; the two tail tokens are text, even a media start token the thinker
+generated), then ``index + rope_delta``. Generation suppresses ``codec_bos``,
 applies ``repetition_penalty`` over ``[codec_mask] * P + [codec_pad,
 codec_bos] + codes``, and stops at ``codec_pad`` or ``codec_end`` (which is
 not returned).
@@ -184,7 +185,10 @@ class Qwen2_5OmniTalker:
         reply = torch.cat(
             [states[num_prompt + 1 :], self._text_row(self.text_end)[None], self._text_row(self.text_pad)[None]]
         )
-        text_ids = torch.tensor([[*handoff.prompt_token_ids, speaker_bos_token_id, handoff.output_token_ids[0]]])
+        # The tail (speaker bos, first generated token) is text. The generated token is
+        # given as the speaker bos too: get_rope_index would take a media start token
+        # there for an item of the prompt and fail; any text id gets the same positions.
+        text_ids = torch.tensor([[*handoff.prompt_token_ids, speaker_bos_token_id, speaker_bos_token_id]])
         if self.match_transformers_unpadded:
             positions, delta = torch.arange(num_prompt + 2).expand(3, -1), 0
         else:

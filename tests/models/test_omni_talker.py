@@ -214,6 +214,27 @@ def test_image_prompt_positions_are_the_thinker_mrope_positions(model: Any, toke
     assert torch.equal(prompt.positions[:, num_prompt:], tail.expand(3, -1))
 
 
+@pytest.mark.parametrize("first", ["<|vision_bos|>", "<|audio_bos|>"])
+def test_a_media_start_token_generated_first_is_text_for_the_positions(model: Any, tokenizer: Any, first: str) -> None:
+    """The first generated token is one of the talker's text ids; when the
+    thinker generates a media start token there, transformers' get_rope_index
+    looked for an item after it and raised IndexError (seen by the soak in
+    tests/engine/test_soak.py), which took the pipeline step down. The
+    prompt's items alone place the positions: the token counts as text."""
+    input_ids, mm = image_prompt(tokenizer)
+    prompt_ids = input_ids[0].tolist()
+    states = torch.randn(len(prompt_ids) + 2, 32, generator=torch.Generator().manual_seed(0))
+    talker = talker_from_omni_model(model)
+
+    def prepare(first_id: int) -> Any:
+        handoff = ThinkerOutputForTalker("r", prompt_ids, [first_id, 5, 6], states, image_grid_thw=mm["image_grid_thw"])
+        return talker.prepare(handoff, SPEAKER_BOS_TOKEN_IDS["Chelsie"])
+
+    got, text = prepare(tokenizer.convert_tokens_to_ids(first)), prepare(tokenizer.convert_tokens_to_ids("a"))
+    assert torch.equal(got.positions, text.positions) and got.rope_delta == text.rope_delta < 0
+    assert torch.equal(got.prefill_embeds, text.prefill_embeds)
+
+
 def test_handoff_validation() -> None:
     with pytest.raises(ValueError, match="prompt \\+ generated - 1 = 5"):
         ThinkerOutputForTalker("r", [1, 2, 3], [4, 5, 6], torch.zeros(6, 8))

@@ -61,6 +61,10 @@ class OmniPipeline:
     reported unfinished (no finish reason) until its audio is done; then the
     complete output once, with ``audio`` (1-D float32) and ``sample_rate``.
 
+    A request that fails in a stage, or whose hand-off to the next stage
+    fails, ends alone: its output comes back finished with ``error`` set and
+    every stage lets go of it, while the step goes on for the others.
+
     Seeds: a request's seed is ``SamplingParams.seed``, or the pipeline's
     ``seed`` when that is None. It drives the talker's sampling and
     token2wav's initial noise, which is then the noise transformers draws
@@ -210,19 +214,30 @@ class OmniPipeline:
                 pending = self._pending.get(out.request_id)
                 if pending is None:
                     continue  # aborted meanwhile
-                if out.error is not None:  # failed in this stage: it fails alone, everywhere
+                try:
+                    self._advance(name, out, pending, progress, done)
+                except Exception as exc:  # noqa: BLE001 - a failed hand-off fails its request alone
+                    out.error = (f"request {out.request_id!r}: handing it on from the {name} stage failed "
+                                 f"({type(exc).__name__}: {exc})")  # fmt: skip
                     self._fail(out, pending, done)
-                elif name == "thinker":
-                    if out.finished:
-                        self._thinker_finished(out, pending, done)
-                    if out.request_id in self._pending:  # text still streaming, or audio to come
-                        progress.append(out if not out.finished else _still_running(out))
-                elif out.finished and name == "talker":
-                    self._talker_finished(out, pending)
-                elif out.finished:
-                    self._finish(out.request_id, out.multimodal_output["audio"], done)
         # Filtered last: requests aborted or completed during this step are not in progress.
         return [out for out in progress if out.request_id in self._pending] + done
+
+    def _advance(
+        self, name: str, out: RequestOutput, pending: _Pending, progress: list[RequestOutput], done: list[RequestOutput]
+    ) -> None:
+        """Take one output of stage ``name``: report it, hand it to the next stage, or complete it."""
+        if out.error is not None:  # failed in this stage: it fails alone, everywhere
+            self._fail(out, pending, done)
+        elif name == "thinker":
+            if out.finished:
+                self._thinker_finished(out, pending, done)
+            if out.request_id in self._pending:  # text still streaming, or audio to come
+                progress.append(out if not out.finished else _still_running(out))
+        elif out.finished and name == "talker":
+            self._talker_finished(out, pending)
+        elif out.finished:
+            self._finish(out.request_id, out.multimodal_output["audio"], done)
 
     def _thinker_finished(self, out: RequestOutput, pending: _Pending, done: list[RequestOutput]) -> None:
         rid = out.request_id
