@@ -69,6 +69,7 @@ class StageHeld:
     staged_tensors: int = 0  # deferred tensor-cache outputs not yet committed
     encoder_refs: int = 0  # encoder-cache entries some request references
     encoder_requests: int = 0  # requests registered with the worker's encoder cache
+    parked_generators: int = 0  # random streams of preempted seeded requests, kept for their resume
 
     @property
     def is_empty(self) -> bool:

@@ -311,6 +311,7 @@ class StageEngine:
             payloads=runner.num_payloads,
         )
         if isinstance(runner, ModelRunner):
+            held.parked_generators = runner.num_parked_generators
             if runner.tensor_cache is not None:
                 held.staged_tensors = runner.tensor_cache.num_staged_requests
             if runner.encoder_cache is not None:

@@ -209,6 +209,11 @@ class ModelRunner:
         return self.input_batch.num_reqs
 
     @property
+    def num_parked_generators(self) -> int:
+        """Random streams of preempted seeded requests, kept until they resume or end."""
+        return len(self._parked_generators)
+
+    @property
     def num_payloads(self) -> int:
         """Requests whose payload or per-token flag the runner holds (for leak checks)."""
         return len(self._payloads.keys() | self._returns_rows)
