@@ -55,12 +55,14 @@ def write_checkpoint(path: str, seed: int = 0) -> str:
     vision.fullatt_block_indexes = [1, 3]
     torch.manual_seed(seed)
     Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval().save_pretrained(path)
-    pre = os.path.join(path, "preprocessor_config.json")
+    # transformers 5's layout: the image processor's settings nest in processor_config.json.
+    pre = os.path.join(path, "processor_config.json")
     with open(pre) as f:
-        cfg = json.load(f)
-    cfg["max_pixels"] = cfg["size"]["longest_edge"] = MAX_IMAGE_TOKENS * 28 * 28
+        processor = json.load(f)
+    image = processor["image_processor"]
+    image["max_pixels"] = image["size"]["longest_edge"] = MAX_IMAGE_TOKENS * 28 * 28
     with open(pre, "w") as f:
-        json.dump(cfg, f, indent=2)
+        json.dump(processor, f, indent=2)
     return path
 
 
