@@ -36,7 +36,7 @@ class SpeculativeConfig:
         """Validate a user's ``speculative_config``; ``ValueError`` names the bad key."""
         where = "speculative_config"
         if not isinstance(config, dict):
-            raise ValueError(f"{where} must be a dict (JSON object), got {type(config).__name__}")
+            raise ValueError(f"{where} must be a dict (JSON object), got {type(config).__name__}")  # noqa: TRY004
         method = config.get("method")
         if method is None:
             raise ValueError(f"{where}: 'method' is required; supported: 'ngram'")
@@ -83,15 +83,26 @@ def propose_ngram(
     num = len(token_ids)
     if k < 1 or num < min_n + 1:
         return []
-    tokens = list(token_ids)
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        suffix = tokens[num - n :]
-        # The match must start before the suffix itself and have a token after it.
-        for start in range(num - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                draft = tokens[start + n : start + n + k]
-                for i, t in enumerate(draft):
-                    if t in banned:
-                        return draft[:i]
-                return draft
-    return []
+    tokens = token_ids
+    last = tokens[-1]
+    best_len, best_end = 0, -1
+    # One scan from the right over the ends of candidate matches (each must
+    # have a token after it); a match only replaces a strictly shorter one, so
+    # the latest of the longest wins. O(len * max_n) in the worst case.
+    for end in range(num - 2, -1, -1):
+        if tokens[end] != last:
+            continue
+        length = 1
+        while length < max_n and length <= end and tokens[end - length] == tokens[num - 1 - length]:
+            length += 1
+        if length > best_len:
+            best_len, best_end = length, end
+            if length == max_n:
+                break
+    if best_len < min_n:
+        return []
+    draft = list(tokens[best_end + 1 : best_end + 1 + k])
+    for i, t in enumerate(draft):
+        if t in banned:
+            return draft[:i]
+    return draft

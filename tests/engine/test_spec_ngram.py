@@ -349,3 +349,35 @@ def test_accept_greedy():
     assert accept_greedy([4, 5, 6], [4, 5]) == [4, 5, 6]  # all accepted: bonus token
     assert accept_greedy([4, 9, 6], [4, 5]) == [4, 9]  # first mismatch: the target's token
     assert accept_greedy([3, 5, 6], [4, 5]) == [3]
+
+
+def test_batched_verifier_draws_from_the_filtered_target():
+    """Through ``RejectionSampler`` (temperature and top-k applied as the plain
+    sampler does), a rejected-or-accepted draft leaves the emitted token
+    distributed as the filtered target; a greedy neighbour takes the argmax."""
+    from omnistage.worker.rejection_sampler import RejectionSampler
+    from omnistage.worker.sampler import SamplingMetadata
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8) * 2
+    md = SamplingMetadata(
+        temperature=torch.tensor([0.8, 0.8, 0.0, 0.0]),
+        greedy=torch.tensor([False, False, True, True]),
+        all_greedy=False,
+        top_k=torch.tensor([5, 5, 0, 0]),
+        top_p=None,
+        min_p=None,
+    )
+    masked = logits[0] / 0.8
+    masked[masked < masked.topk(5).values[-1]] = float("-inf")
+    target = torch.softmax(masked, dim=-1)
+    draft = int(target.argsort()[-2])  # a likely token, neither certain nor impossible
+    gen = torch.Generator().manual_seed(99)
+    sampler = RejectionSampler()
+    counts = torch.zeros(8)
+    greedy_draft = int(logits[2].argmax())
+    for _ in range(20000):
+        random_out, greedy_out = sampler(logits, md, [[draft], [greedy_draft]], gen)
+        counts[random_out[0]] += 1
+        assert greedy_out == [greedy_draft, int(logits[3].argmax())]
+    assert _chi_square(counts, target) < _CHI2_999[5]
