@@ -381,3 +381,55 @@ def test_batched_verifier_draws_from_the_filtered_target():
         counts[random_out[0]] += 1
         assert greedy_out == [greedy_draft, int(logits[3].argmax())]
     assert _chi_square(counts, target) < _CHI2_999[5]
+
+
+# -- multimodal ------------------------------------------------------------------------
+
+
+def test_vision_language_outputs_equal_and_placeholders_never_proposed(tmp_path):
+    """Qwen2.5-VL with an image and a video: the same greedy tokens with and
+    without speculation, and transformers'; the placeholder ids are banned
+    from drafts (a prompt full of pad runs would otherwise propose them)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from utils_mm import chat_prompt, hf_greedy_mm, image, video, write_sensitive_checkpoint
+
+    from omnistage.multimodal.processing import MultiModalProcessor
+
+    path = write_sensitive_checkpoint("vl", tmp_path / "vl")
+    loaded = load_model(path)
+    proc = MultiModalProcessor.from_pretrained(path)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
+    prompts = [
+        chat_prompt(proc, ["image", "text", "image"], {"image": [image(0), image(0)]}),
+        chat_prompt(proc, ["video", "text"], {"video": video(0)}),
+        REPEATING,
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = make_engine(loaded, block_size=4, speculative_config=NGRAM)
+    banned = engine.scheduler.config.speculative_config.banned_token_ids
+    assert banned == set(proc.placeholder_ids.values()) and banned
+    proposed: list[int] = []
+    propose = engine.scheduler._propose
+
+    def spy(request, n, budget):
+        drafts = propose(request, n, budget)
+        proposed.extend(drafts)
+        return drafts
+
+    engine.scheduler._propose = spy
+    on = _token_ids(run_all(engine, prompts, params))
+    off = _token_ids(run_all(make_engine(loaded, block_size=4), prompts, params))
+    assert on == off
+    for prompt, tokens in zip(prompts[:2], on):
+        assert tokens == hf_greedy_mm(hf, proc.process(prompt), 10)
+    assert proposed and not banned & set(proposed)
+    # A history that ends like the token before an image's pad run: the pads
+    # would be the draft, the engine's config cuts them.
+    ids = proc.process(prompts[0]).prompt_token_ids
+    first_pad = min(i for i, t in enumerate(ids) if t in banned)
+    history = ids + ids[first_pad - 2 : first_pad]
+    cfg = engine.scheduler.config.speculative_config
+    unbanned = propose_ngram(history, 4, 1, 3)
+    assert len(unbanned) == 4 and set(unbanned) <= banned
+    assert propose_ngram(history, 4, 1, 3, cfg.banned_token_ids) == []
+    _assert_held_nothing(engine)
