@@ -269,6 +269,56 @@ def test_unsupported_params_decode_without_drafts(copying):
     _assert_held_nothing(engine)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_suppressed_and_allowed_tokens_speculate(temperature, copying):
+    """Token masks do not depend on the position, so such requests speculate;
+    greedy ones keep their outputs, and no masked token is ever emitted."""
+    loaded, _ = copying("llama", 0.0)
+    prompt = _in_cycle(loaded)
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cycle = set(_token_ids(run_all(make_engine(loaded), [prompt], plain))[0])
+    outside = [t for t in range(20) if t not in cycle][:3]
+    params = [
+        SamplingParams(temperature=temperature, seed=3, max_tokens=16, ignore_eos=True, suppress_token_ids=outside),
+        SamplingParams(temperature=temperature, seed=4, max_tokens=16, ignore_eos=True, allowed_token_ids=sorted(cycle)),
+    ]
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    on = _token_ids(run_all(engine, [prompt, prompt], params))
+    assert not set(on[0]) & set(outside) and set(on[1]) <= cycle
+    if temperature == 0.0:
+        assert on == _token_ids(run_all(make_engine(loaded), [prompt, prompt], params))
+        assert engine.get_stats().num_accepted_tokens > 0
+    assert engine.get_stats().num_draft_tokens > 0
+    _assert_held_nothing(engine)
+
+
+def test_omni_thinker_with_audio_and_a_thinker_for_a_talker_refused(tmp_path, monkeypatch):
+    """A Qwen2.5-Omni thinker serving text speculates (same outputs, audio in);
+    a thinker whose rows go to a talker is refused (not supported yet)."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+    from utils_mm import chat_prompt, clip, hf_greedy_mm, write_sensitive_checkpoint
+
+    from omnistage.models.qwen2_5_omni import THINKER_FOR_TALKER_POLICY
+    from omnistage.multimodal.processing import MultiModalProcessor
+
+    path = write_sensitive_checkpoint("omni", tmp_path / "omni")
+    loaded = load_model(path)
+    proc = MultiModalProcessor.from_pretrained(path)
+    prompts = [chat_prompt(proc, ["audio", "text"], {"audio": clip(0, 1.3)}), REPEATING]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = make_engine(loaded, block_size=4, speculative_config=NGRAM)
+    assert engine.scheduler.config.speculative_config.banned_token_ids == set(proc.placeholder_ids.values())
+    on = _token_ids(run_all(engine, prompts, params))
+    assert on == _token_ids(run_all(make_engine(loaded, block_size=4), prompts, params))
+    hf = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).eval()
+    assert on[0] == hf_greedy_mm(hf, proc.process(prompts[0]), 10)
+    assert engine.get_stats().num_draft_tokens > 0
+    _assert_held_nothing(engine)
+    monkeypatch.setattr(loaded.mm_adapter, "tensor_cache_policy", THINKER_FOR_TALKER_POLICY, raising=False)
+    with pytest.raises(ValueError, match="speculative_config is not supported yet for the 'llm' stage"):
+        make_engine(loaded, speculative_config=NGRAM)
+
+
 # -- sampling -------------------------------------------------------------------------
 
 
