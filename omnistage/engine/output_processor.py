@@ -112,6 +112,8 @@ class RequestState:
         cached = max(0, first.request.num_cached_tokens)
         self.metrics.num_cached_tokens = cached
         self.metrics.first_scheduled_time = first.request.first_scheduled_time
+        self.metrics.num_draft_tokens = sum(c.request.num_draft_tokens for c in self.completions)
+        self.metrics.num_accepted_tokens = sum(c.request.num_accepted_tokens for c in self.completions)
         out = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

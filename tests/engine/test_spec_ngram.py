@@ -88,6 +88,20 @@ def test_config_from_dict_and_errors_name_the_key():
     assert EngineArgs().speculative_config is None  # off by default
 
 
+def test_llm_takes_speculative_config(copying):
+    from omnistage.entrypoints.llm import LLM
+
+    loaded, _ = copying("qwen2", 0.0)
+    prompt = _in_cycle(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    off = LLM(loaded).generate([prompt], params, use_tqdm=False)
+    llm = LLM(loaded, speculative_config=NGRAM)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == off[0].outputs[0].token_ids
+    assert llm.get_stats().num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="'eagle' is not supported yet"):
+        LLM(loaded, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
 def test_cli_flag_takes_json(capsys):
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
@@ -162,8 +176,10 @@ def test_max_tokens_and_stop_ids_inside_an_accepted_run(max_tokens, copying):
     outs = run_all(on_engine, [prompt], params)
     assert _token_ids(outs) == off and len(off[0]) == max_tokens
     assert outs[0].outputs[0].finish_reason == "length"
+    stats, metrics = on_engine.get_stats(), outs[0].metrics
+    assert (metrics.num_draft_tokens, metrics.num_accepted_tokens) == (stats.num_draft_tokens, stats.num_accepted_tokens)
     if max_tokens > 2:
-        assert on_engine.get_stats().num_accepted_tokens > 0
+        assert stats.num_accepted_tokens > 0 and metrics.draft_acceptance_rate > 0
     # A stop id met inside an accepted run: nothing after it is emitted.
     long_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     long = _token_ids(run_all(make_engine(loaded), [prompt], long_params))[0]
