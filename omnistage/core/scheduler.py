@@ -69,7 +69,8 @@ class Scheduler:
     whose parameters the verifier supports (``can_speculate``) gets up to
     ``k`` draft tokens from prompt lookup, scheduled after its last token
     (``1 + drafts`` tokens, KV slots included, within the step's budget, the
-    context length and ``max_tokens``). The drafts never enter
+    context length and ``max_tokens``; drafts whose slots the free pool
+    cannot supply are dropped, never paid for with a preemption). The drafts never enter
     ``all_token_ids`` or the block hashes; after the step the accepted ones
     are appended like sampled tokens, one by one through the stop checks, and
     ``num_computed_tokens`` is rolled back past the rejected ones, so the next
@@ -228,7 +229,11 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._propose(request, n, budget)
-            new_blocks = self._allocate_or_preempt(request, n + len(drafts), preempted)
+            # Drafts never cost a preemption: without free slots for them, decode one token.
+            new_blocks = kv.allocate_slots(request, n + len(drafts)) if drafts else None
+            if new_blocks is None:
+                drafts = []
+                new_blocks = self._allocate_or_preempt(request, n, preempted)
             if new_blocks is None:  # preempted itself (which released its encoder plan too)
                 break
             cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))

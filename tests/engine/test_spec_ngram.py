@@ -499,3 +499,89 @@ def test_vision_language_outputs_equal_and_placeholders_never_proposed(tmp_path)
     assert len(unbanned) == 4 and set(unbanned) <= banned
     assert propose_ngram(history, 4, 1, 3, cfg.banned_token_ids) == []
     _assert_held_nothing(engine)
+
+
+# -- the scheduler alone -----------------------------------------------------------------
+
+
+def _spec_scheduler(**kw):
+    from omnistage.core.config import SchedulerConfig
+    from omnistage.core.scheduler import Scheduler
+
+    args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_kv_blocks=16)
+    args.update(kw)
+    return Scheduler(SchedulerConfig(speculative_config=SpeculativeConfig.from_dict(NGRAM), **args))
+
+
+def test_scheduler_rolls_back_rejected_drafts_and_caches_only_verified_blocks():
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    sched = _spec_scheduler()
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1]  # 11 tokens
+    req = Request("r", prompt, SamplingParams(max_tokens=20))
+    sched.add_request(req)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"r": 11} and not so.scheduled_spec_decode_tokens
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 2}))
+    # Decode: last known token 2 follows [..., 1]; lookup of [5, 1, 2] proposes [3, 4, 5, 1].
+    so = sched.schedule()
+    assert so.scheduled_spec_decode_tokens == {"r": [3, 4, 5, 1]} and so.num_scheduled_tokens == {"r": 5}
+    assert req.num_computed_tokens == 16 and len(sched.kv_cache_manager.get_block_ids("r")) == 4
+    # Two drafts accepted, then the target's own token 9: 3 tokens emitted.
+    out = ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 9}, spec_sampled_token_ids={"r": [3, 4, 9]})
+    sched.update_from_output(so, out)
+    assert req.output_token_ids == [2, 3, 4, 9]
+    assert req.num_computed_tokens == 14  # positions 0..13 verified; the rejected drafts' slots are redone
+    assert len(req.block_hashes) == 3  # 15 known tokens: 3 full blocks hashed, all verified
+    assert sched.kv_cache_manager._num_cached_blocks["r"] == 3
+    assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (4, 2)
+    assert (req.num_draft_tokens, req.num_accepted_tokens) == (4, 2)
+    # A result that does not start with the drafts is refused, naming the request.
+    so = sched.schedule()
+    drafts = so.scheduled_spec_decode_tokens.get("r")
+    if drafts:
+        bad = ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 7}, spec_sampled_token_ids={"r": [99, 7]})
+        with pytest.raises(RuntimeError, match="request 'r' verified drafts"):
+            sched.update_from_output(so, bad)
+
+
+def test_scheduler_drafts_never_preempt_and_respect_max_tokens():
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    # 3 blocks of 4: the prompt (8 tokens) plus a decode fit, drafts past slot 12 do not.
+    sched = _spec_scheduler(num_kv_blocks=3)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    req = Request("r", prompt, SamplingParams(max_tokens=4))
+    other = Request("o", [7, 8], SamplingParams(max_tokens=1))
+    sched.add_request(req)
+    sched.add_request(other)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["r", "o"], sampled_token_ids={"r": 3, "o": 5}))
+    so = sched.schedule()
+    # max_tokens=4 with 1 out: at most 2 drafts (2 accepted + 1 bonus = 3 more tokens).
+    assert so.scheduled_spec_decode_tokens == {"r": [1, 2]}
+    sched.update_from_output(
+        so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 3}, spec_sampled_token_ids={"r": [1, 2, 3]})
+    )
+    assert req.finished and req.output_token_ids == [3, 1, 2, 3]
+    assert sched.num_preemptions == 0
+
+
+def test_scheduler_drops_drafts_rather_than_preempt():
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    # Two 7-token prompts fill the 4 blocks of 4; their decodes fit in the blocks
+    # they hold, drafts would need a fifth block.
+    sched = _spec_scheduler(num_kv_blocks=4)
+    a = Request("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=10))
+    b = Request("b", [7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=10))
+    sched.add_request(a)
+    sched.add_request(b)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids={"a": 2, "b": 5}))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.scheduled_spec_decode_tokens
+    assert sched.num_preemptions == 0 and not so.preempted_req_ids
