@@ -27,6 +27,13 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the KV prefix cache
+    # Speculative decoding, over the request's completions (0 when it is off).
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omnistage.core.spec_decode import SpeculativeConfig
+
 
 @dataclass
 class SchedulerConfig:
@@ -34,6 +36,8 @@ class SchedulerConfig:
     encoder_compute_budget: int = 0
     encoder_cache_size: int = 0
     retain_encoder_outputs: bool = True
+    # None: no speculative decoding (the default; the step loop is then unchanged).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):

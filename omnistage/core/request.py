@@ -69,6 +69,11 @@ class Request:
     # ``core.kv_cache_utils``); extended by the scheduler as blocks fill up.
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None  # time.monotonic() at first schedule, for TTFT / queueing metrics
+    # Draft tokens scheduled for verification this step (speculative decoding). Never
+    # part of ``all_token_ids`` or the block hashes: only verified tokens are.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of which accepted
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -19,6 +19,10 @@ class ModelRunnerOutput:
     # reach the end of the prompt samples nothing), in batch order.
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Requests that verified drafts this step: every token they emit, in order
+    # (the accepted drafts, then the target's own token); ``sampled_token_ids``
+    # holds the last of them.
+    spec_sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Log-probability of the sampled token, and of the top-k when asked.
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # Per-request per-token tensors for a downstream stage (prefix rows merged

@@ -55,6 +55,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Encoder-cache entries evicted by the scheduler; the worker frees them first.
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last
+    # known token (its ``num_scheduled_tokens`` is 1 + len(drafts)); the worker
+    # verifies them in this step's forward.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -14,6 +14,7 @@ from omnistage.core.kv_cache_manager import KVCacheManager
 from omnistage.core.kv_cache_utils import update_block_hashes
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from omnistage.core.spec_decode import propose_ngram
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.core.runner_output import ModelRunnerOutput
 
@@ -27,6 +28,8 @@ class SchedulerStats:
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def kv_usage(self) -> float:
@@ -62,6 +65,17 @@ class Scheduler:
     and it goes back to the front of the waiting queue, to be resumed first
     and recomputed from its prompt plus the tokens generated so far.
 
+    Speculative decoding (``config.speculative_config``): a decode request
+    whose parameters the verifier supports (``can_speculate``) gets up to
+    ``k`` draft tokens from prompt lookup, scheduled after its last token
+    (``1 + drafts`` tokens, KV slots included, within the step's budget, the
+    context length and ``max_tokens``; drafts whose slots the free pool
+    cannot supply are dropped, never paid for with a preemption). The drafts never enter
+    ``all_token_ids`` or the block hashes; after the step the accepted ones
+    are appended like sampled tokens, one by one through the stop checks, and
+    ``num_computed_tokens`` is rolled back past the rejected ones, so the next
+    step overwrites their KV slots and only verified blocks are ever cached.
+
     Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
     window may shrink to stop before an item that cannot be encoded this
     step, and encoder-cache entries are taken only once the KV blocks are
@@ -83,6 +97,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule(), the worker held them
         self._aborted_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.encoder: EncoderScheduler | None = None
         if config.encoder_cache_size > 0:
             manager = EncoderCacheManager(config.encoder_cache_size, config.retain_encoder_outputs)
@@ -198,6 +214,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         encoder_inputs: dict[str, list[int]] = {}
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
         if self.encoder is not None:
             self.encoder.begin_pass()
 
@@ -211,12 +228,20 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, n, preempted)
+            drafts = self._propose(request, n, budget)
+            # Drafts never cost a preemption: without free slots for them, decode one token.
+            new_blocks = kv.allocate_slots(request, n + len(drafts)) if drafts else None
+            if new_blocks is None:
+                drafts = []
+                new_blocks = self._allocate_or_preempt(request, n, preempted)
             if new_blocks is None:  # preempted itself (which released its encoder plan too)
                 break
             cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
-            self._commit(request, n, enc, num_scheduled, encoder_inputs)
-            budget -= n
+            if drafts:
+                request.spec_token_ids = drafts
+                spec_tokens[request.request_id] = drafts
+            self._commit(request, n + len(drafts), enc, num_scheduled, encoder_inputs)
+            budget -= n + len(drafts)
             i += 1
 
         # 2. Waiting requests, unless blocks already ran out this step.
@@ -259,6 +284,7 @@ class Scheduler:
             aborted_req_ids=self._aborted_ids,
             preempted_req_ids=preempted,
             free_encoder_mm_hashes=self.encoder.freed_hashes() if self.encoder is not None else [],
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_ids, self._aborted_ids = set(), set()
         return out
@@ -269,6 +295,44 @@ class Scheduler:
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
+
+    def can_speculate(self, request: Request) -> bool:
+        """Whether the verifier handles this request's parameters exactly.
+
+        Speculation is only for requests whose logits rules do not depend on
+        the position inside the step: no penalties (they read the tokens
+        before each position), no ``min_tokens`` still holding stop ids back,
+        no logprobs (one entry per token would be needed), and no model
+        inputs beyond token ids (payloads, per-token outputs for a later
+        stage). The others decode one token a step as without speculation.
+        """
+        sp = request.sampling_params
+        return (
+            request.payload is None
+            and not request.return_hidden_states
+            and sp.logprobs is None
+            and not sp.has_penalties
+            and request.num_output_tokens >= sp.min_tokens
+        )
+
+    def _propose(self, request: Request, n: int, budget: int) -> list[int]:
+        """Draft tokens for a decode step (``n == 1``, the last known token
+        unprocessed), capped so that the accepted ones plus the bonus token fit
+        the budget, the context length and ``max_tokens``."""
+        cfg = self.config.speculative_config
+        if cfg is None or n != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        if not self.can_speculate(request):
+            return []
+        k = min(cfg.num_speculative_tokens, budget - 1, self.max_len(request) - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - request.num_output_tokens - 1)
+        if k < 1:
+            return []
+        return propose_ngram(
+            request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids
+        )
 
     def _schedule_encoder_inputs(
         self, request: Request, start: int, num_new_tokens: int
@@ -312,6 +376,7 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.kv_cache_manager.free(request)
         if self.encoder is not None:  # a resumed request takes (or re-encodes) its items again
             self.encoder.free(request)
@@ -342,22 +407,43 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished since it was scheduled
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            tokens = runner_output.spec_sampled_token_ids.get(rid) if drafts else None
+            if drafts:
+                if not tokens or len(tokens) > len(drafts) + 1 or tokens[:-1] != drafts[: len(tokens) - 1]:
+                    raise RuntimeError(
+                        f"request {rid!r} verified drafts {drafts} this step, expected 1 to {len(drafts) + 1} "
+                        f"tokens starting with accepted drafts in spec_sampled_token_ids, got {tokens}"
+                    )
+                # The rejected drafts' KV is garbage: the next step recomputes from there.
+                request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                request.num_draft_tokens += len(drafts)
+                request.num_accepted_tokens += len(tokens) - 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(tokens) - 1
             kv.cache_blocks(request, request.num_computed_tokens)  # their KV exists now
             if self.encoder is not None:
                 self.encoder.free_computed(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill chunk: a token sampled for it would be discarded
-            token = sampled.get(rid)
-            if token is None:
-                # Without a token the request would wait forever for one.
-                raise RuntimeError(
-                    f"request {rid!r} computed all its {request.num_tokens} tokens this step, "
-                    f"expected a sampled token in ModelRunnerOutput.sampled_token_ids, got none"
-                )
-            request.append_output_token(int(token))
+            if tokens is None:
+                token = sampled.get(rid)
+                if token is None:
+                    # Without a token the request would wait forever for one.
+                    raise RuntimeError(
+                        f"request {rid!r} computed all its {request.num_tokens} tokens this step, "
+                        f"expected a sampled token in ModelRunnerOutput.sampled_token_ids, got none"
+                    )
+                tokens = [token]
+            # Token by token: nothing after a stop token or a length limit is kept.
+            status = None
+            for token in tokens:
+                request.append_output_token(int(token))
+                status = request.check_stop(self.max_len(request))
+                if status is not None:
+                    break
             if self.config.enable_prefix_caching:
                 update_block_hashes(request, self.block_size)
-            status = request.check_stop(self.max_len(request))
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
@@ -378,6 +464,8 @@ class Scheduler:
             prefix_cache_query_tokens=kv.stats.query_tokens,
             prefix_cache_hit_tokens=kv.stats.hit_tokens,
             num_preemptions=self.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> None:

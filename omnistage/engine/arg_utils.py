@@ -15,12 +15,15 @@ with a one-line warning (once per process), a value it cannot honour
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from omnistage.core.spec_decode import SpeculativeConfig
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "EngineArgs"]
 
@@ -85,6 +88,11 @@ class EngineArgs:
         None, "multimodal: encoder embeddings computed per step (default: like encoder-cache-size)"
     )
     enable_encoder_cache: bool = _option(True, "multimodal: reuse encoder outputs across requests")
+    speculative_config: dict[str, Any] | None = _option(
+        None,
+        'speculative decoding, off when unset; a JSON object: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M}',
+    )
     # vLLM's options, for scripts written against it (module docstring: policy).
     tensor_parallel_size: int = _option(1, "must be 1: one device per model", _VLLM)
     pipeline_parallel_size: int = _option(1, "must be 1: one device per model", _VLLM)
@@ -118,6 +126,8 @@ class EngineArgs:
                     f"EngineArgs.{name}={getattr(self, name)!r} cannot be honoured: omnistage runs one model "
                     "on one device in one process; use 1"
                 )
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # its ValueError names the key
         check_device(self.device)
         self._check_files()
         self._warn_ignored()
@@ -163,6 +173,8 @@ class EngineArgs:
             text = f.metadata["help"] + ("" if default is None else f" (default: {default})")
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+            elif typing.get_origin(kind) is dict or kind is dict:
+                group.add_argument(flag, type=_json_object(flag), default=default, help=text, metavar="JSON")
             else:
                 metavar = {int: "N", float: "X"}.get(kind, f.name.removeprefix("chat_").upper())
                 group.add_argument(flag, type=kind, default=default, help=text, metavar=metavar)
@@ -310,6 +322,22 @@ def _warn_once(message: str) -> None:
 
 def _default(f: Field) -> Any:
     return None if f.default is MISSING else f.default
+
+
+def _json_object(flag: str) -> Any:
+    """The converter of a dict flag's text: a JSON object, or an error naming the flag."""
+
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag}: not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a JSON object, got {text!r}")
+        return value
+
+    parse.__name__ = "JSON object"  # argparse names the type in its own messages
+    return parse
 
 
 def _flag_type(hint: Any) -> Any:

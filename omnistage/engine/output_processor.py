@@ -54,13 +54,16 @@ class CompletionState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add_token_ids(self, token_ids: list[int], logprobs: dict[int, float] | None) -> bool:
-        """Consume new tokens; True when a stop string ended the completion."""
+    def add_token_ids(self, token_ids: list[int], logprobs: dict[int, float] | None, more: bool = False) -> bool:
+        """Consume new tokens; True when a stop string ended the completion.
+        ``more``: further tokens of this step follow, so the request's end (if
+        it ended) is not applied yet."""
+        ended = self.request.finished and not more
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs.get(token_ids[-1], 0.0)
         num_new = len(self.detok.add_tokens(token_ids))
-        if self.request.finished:
+        if ended:
             num_new += len(self.detok.flush())
         text = self.detok.text
         if self.stop and num_new:
@@ -70,7 +73,7 @@ class CompletionState:
                 self.text = text[: idx + len(stop)] if self.include_stop else text[:idx]
                 self.finish_reason, self.stop_reason = "stop", stop
                 return True
-        if self.request.finished:
+        if ended:
             self.finish_reason = self.request.status.finish_reason
             self.stop_reason = self.request.stop_reason
             self.text = text
@@ -109,6 +112,8 @@ class RequestState:
         cached = max(0, first.request.num_cached_tokens)
         self.metrics.num_cached_tokens = cached
         self.metrics.first_scheduled_time = first.request.first_scheduled_time
+        self.metrics.num_draft_tokens = sum(c.request.num_draft_tokens for c in self.completions)
+        self.metrics.num_accepted_tokens = sum(c.request.num_accepted_tokens for c in self.completions)
         out = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -216,7 +221,14 @@ class OutputProcessor:
             if new_ids:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
-                stop = comp.add_token_ids(new_ids, runner_output.logprobs.get(req.request_id))
+                logprobs = runner_output.logprobs.get(req.request_id)
+                if comp.stop and len(new_ids) > 1:
+                    # Several tokens in one step (speculative decoding): a stop string is
+                    # looked for after each, so no token past it is reported.
+                    last = len(new_ids) - 1
+                    stop = any(comp.add_token_ids([t], logprobs, more=i < last) for i, t in enumerate(new_ids))
+                else:
+                    stop = comp.add_token_ids(new_ids, logprobs)
                 if stop and not req.finished:
                     stopped.append(req.request_id)
             elif req.finished:

@@ -25,10 +25,12 @@ from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
 from omnistage.core.one_shot_scheduler import OneShotScheduler
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
+from omnistage.core.spec_decode import SpeculativeConfig
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import InputProcessor, ProcessedInputs, PromptType
 from omnistage.engine.output_processor import OutputProcessor
 from omnistage.engine.stage import StageHeld, StageSpec
+from omnistage.models.interface import tensor_cache_policy_of
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
@@ -53,6 +55,9 @@ class EngineStats:
     num_generated_tokens: int
     num_preemptions: int
     num_steps: int
+    # Speculative decoding (0 when it is off): drafts verified, and of which accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -110,10 +115,10 @@ class StageEngine:
         )
         self.num_kv_blocks = args.resolve_num_kv_blocks(per_block, self.max_model_len)
         encoder_budget, encoder_cache_size = 0, 0
+        mm_processor = None
         if spec.input_processor is not None:
             self.input_processor, self.input_modalities = spec.input_processor, frozenset()
         else:
-            mm_processor = None
             if getattr(loaded_model, "mm_adapter", None) is not None:
                 from omnistage.multimodal.processing import MultiModalProcessor
 
@@ -138,6 +143,7 @@ class StageEngine:
                 encoder_compute_budget=encoder_budget,
                 encoder_cache_size=encoder_cache_size,
                 retain_encoder_outputs=args.enable_encoder_cache,
+                speculative_config=self._speculative_config(args, loaded_model, spec, mm_processor),
             )
         )
         self.runner = ModelRunner(
@@ -153,6 +159,31 @@ class StageEngine:
             # forwarded, and every row comes from the step itself.
             enable_tensor_cache=spec.enable_tensor_cache and prefix_caching,
         )
+
+    @staticmethod
+    def _speculative_config(
+        args: EngineArgs, loaded_model: Any, spec: StageSpec, mm_processor: Any
+    ) -> SpeculativeConfig | None:
+        """``args.speculative_config`` for the scheduler, with the model's
+        placeholder ids (never proposed); refused for stages whose model reads
+        more than token ids or hands per-token outputs on (not supported yet)."""
+        if args.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(args.speculative_config)
+        model = loaded_model.model
+        stage_model = getattr(loaded_model, "mm_adapter", None) or model
+        if (
+            spec.input_processor is not None
+            or hasattr(model, "step_inputs")
+            or tensor_cache_policy_of(stage_model).caches_anything
+        ):
+            name = spec.name or type(model).__name__
+            raise ValueError(
+                f"speculative_config is not supported yet for the {name!r} stage: it reads a payload or hands "
+                "per-token outputs to a later stage; speculation runs on text and vision-language models"
+            )
+        placeholders = getattr(mm_processor, "placeholder_ids", None) or {}
+        return config.with_banned(placeholders.values())
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> StageEngine:
@@ -277,6 +308,7 @@ class StageEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
         self.num_generated_tokens += len(runner_out.sampled_token_ids)
+        self.num_generated_tokens += sum(len(t) - 1 for t in runner_out.spec_sampled_token_ids.values())
         return failed + outputs
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -336,6 +368,8 @@ class StageEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_preemptions=s.num_preemptions,
             num_steps=self.num_steps,
+            num_draft_tokens=s.num_draft_tokens,
+            num_accepted_tokens=s.num_accepted_tokens,
         )
 
     # -- text helpers ----------------------------------------------------------

@@ -15,6 +15,7 @@ from omnistage.models.interface import tensor_cache_policy_of
 from omnistage.worker.input_batch import BatchStep, InputBatch
 from omnistage.worker.mm.encoder_cache import EncoderCache
 from omnistage.worker.model_state import ModelState
+from omnistage.worker.rejection_sampler import RejectionSampler
 from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingState
 from omnistage.worker.tensor_prefix_cache import StepTensorCache
 
@@ -85,6 +86,7 @@ class ModelRunner:
         eos = list(loaded_model.eos_token_ids or [])
         self.sampling_state = SamplingState(max_num_seqs, m.vocab_size, eos, self.device)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         # Unseeded requests draw from one engine-wide generator, so a run with
         # the same engine seed and the same arrivals repeats itself.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -226,14 +228,15 @@ class ModelRunner:
             num_scheduled = {r: n for r, n in num_scheduled.items() if r not in self._failed}
         if not num_scheduled:
             return ModelRunnerOutput(failed_req_ids=dict(self._failed))
-        step = self.input_batch.prepare_step(num_scheduled)
+        drafts = {r: d for r, d in so.scheduled_spec_decode_tokens.items() if r in num_scheduled}
+        step = self._prepare_step(num_scheduled, drafts)
         inputs = self.prepare_model_inputs(step, so)
         metadata = build_attention_metadata(step, self.block_size)
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, metadata, self.kv_caches, inputs_embeds=inputs.inputs_embeds
         )
         rows = self._per_token_rows(step, hidden)
-        out = self.sample(step, hidden)
+        out = self.sample(step, hidden) if not drafts else self._sample_with_drafts(step, hidden, drafts)
         if rows:
             out.hidden_states = rows
         cache = self.tensor_cache
@@ -245,6 +248,25 @@ class ModelRunner:
                 cache.stage_deferred(step, self.input_batch, deferred)
         out.failed_req_ids = dict(self._failed)
         return out
+
+    def _prepare_step(self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]) -> BatchStep:
+        """The packed batch; draft tokens are written after their requests'
+        known tokens for this step only (the batch's token counts are left as
+        they were: the verified tokens are appended after sampling)."""
+        batch = self.input_batch
+        if not drafts:
+            return batch.prepare_step(num_scheduled)
+        known: dict[int, int] = {}
+        for req_id, tokens in drafts.items():
+            row = batch.req_id_to_index[req_id]
+            n = known[row] = int(batch.num_tokens[row])
+            batch.token_ids_cpu[row, n : n + len(tokens)] = tokens
+            batch.num_tokens[row] = n + len(tokens)
+        try:
+            return batch.prepare_step(num_scheduled)
+        finally:
+            for row, n in known.items():
+                batch.num_tokens[row] = n
 
     def prepare_model_inputs(self, step: BatchStep, so: SchedulerOutput) -> StepModelInputs:
         """Token ids and positions; a payload-driven model builds its input
@@ -322,10 +344,17 @@ class ModelRunner:
         """Logits at the last token of the requests that sample, then tokens."""
         if not step.sampling_req_ids:
             return ModelRunnerOutput()
+        rows = step.rows[step.seq_lens == self.input_batch.num_tokens[step.rows]]  # rows of sampling_req_ids
+        return self._sample_rows(step.sampling_req_ids, rows, step.logits_indices, hidden)
+
+    def _sample_rows(
+        self, req_ids: list[str], rows: np.ndarray, logits_indices: torch.Tensor, hidden: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """One token for each of ``req_ids`` (batch ``rows``), from the hidden
+        state at ``logits_indices``."""
         batch = self.input_batch
-        rows = step.rows[step.seq_lens == batch.num_tokens[step.rows]]  # rows of sampling_req_ids
-        md = self.sampling_state.metadata(batch, rows, step.sampling_req_ids)
-        sample_rows = hidden.index_select(0, step.logits_indices)
+        md = self.sampling_state.metadata(batch, rows, req_ids)
+        sample_rows = hidden.index_select(0, logits_indices)
         greedy_tokens = getattr(self.model, "greedy_token_ids", None)
         if md.plain_greedy and greedy_tokens is not None:
             # Only argmax tokens are needed: the model may get them without full fp32 logits.
@@ -333,13 +362,56 @@ class ModelRunner:
         else:
             sampled = self.sampler(self.model.compute_logits(sample_rows), md, self.generator)
         token_ids = sampled.sampled_token_ids.tolist()
-        for req_id, token in zip(step.sampling_req_ids, token_ids):
+        for req_id, token in zip(req_ids, token_ids):
             batch.append_token(req_id, token)
-        out = ModelRunnerOutput(
-            req_ids=list(step.sampling_req_ids), sampled_token_ids=dict(zip(step.sampling_req_ids, token_ids))
-        )
+        out = ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=dict(zip(req_ids, token_ids)))
         if md.num_logprobs is not None:
-            out.logprobs = _logprob_dicts(step.sampling_req_ids, token_ids, md.num_logprobs, sampled)
+            out.logprobs = _logprob_dicts(req_ids, token_ids, md.num_logprobs, sampled)
+        return out
+
+    def _sample_with_drafts(
+        self, step: BatchStep, hidden: torch.Tensor, drafts: dict[str, list[int]]
+    ) -> ModelRunnerOutput:
+        """A step with speculating requests: the others sample as usual; each
+        speculating request gets logits at its ``1 + k`` positions (its last
+        known token and each draft) and the rejection sampler picks what it
+        emits. Outputs stay in batch order."""
+        batch = self.input_batch
+        plain_ids: list[str] = []
+        plain_idx: list[int] = []
+        spec_ids: list[str] = []
+        spec_pos: list[int] = []
+        last = step.logits_indices.tolist()
+        for req_id, idx in zip(step.sampling_req_ids, last):
+            d = drafts.get(req_id)
+            if d is None:
+                plain_ids.append(req_id)
+                plain_idx.append(idx)
+            else:
+                spec_ids.append(req_id)
+                spec_pos.extend(range(idx - len(d), idx + 1))
+        out = ModelRunnerOutput()
+        if plain_ids:
+            rows = np.fromiter((batch.req_id_to_index[r] for r in plain_ids), dtype=np.int64, count=len(plain_ids))
+            out = self._sample_rows(plain_ids, rows, torch.tensor(plain_idx, device=self.device), hidden)
+        spec_drafts = [drafts[r] for r in spec_ids]
+        rep_ids = [r for r, d in zip(spec_ids, spec_drafts) for _ in range(len(d) + 1)]
+        rep_rows = np.fromiter((batch.req_id_to_index[r] for r in rep_ids), dtype=np.int64, count=len(rep_ids))
+        md = self.sampling_state.metadata(batch, rep_rows, rep_ids)
+        verify_rows = hidden.index_select(0, torch.tensor(spec_pos, device=self.device))
+        greedy_tokens = getattr(self.model, "greedy_token_ids", None)
+        if md.plain_greedy and greedy_tokens is not None:  # the same argmax a plain decode takes
+            emitted = self.rejection_sampler(None, md, spec_drafts, self.generator, greedy_tokens(verify_rows))
+        else:
+            logits = self.model.compute_logits(verify_rows)
+            emitted = self.rejection_sampler(logits, md, spec_drafts, self.generator)
+        for req_id, tokens in zip(spec_ids, emitted):
+            for token in tokens:
+                batch.append_token(req_id, token)
+            out.sampled_token_ids[req_id] = tokens[-1]
+            out.spec_sampled_token_ids[req_id] = tokens
+        order = {r: i for i, r in enumerate(step.sampling_req_ids)}
+        out.req_ids = sorted(out.sampled_token_ids, key=order.__getitem__)
         return out
 
 

@@ -81,15 +81,7 @@ class Sampler:
     ) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.num_logprobs is not None else None
-        # transformers' order (RepetitionPenalty, SuppressTokens, MinNewTokens), with
-        # vLLM's frequency and presence penalties right after the repetition penalty.
-        if md.penalties is not None:
-            logits = md.penalties.apply(logits)
-        if md.token_mask is not None:
-            logits = md.token_mask.apply(logits)
-        if md.banned_rows is not None:
-            neg_inf = torch.full((), _NEG_INF, device=logits.device)
-            logits = logits.index_put((md.banned_rows, md.banned_tokens), neg_inf)
+        logits = self.apply_logit_rules(logits, md)
         if md.all_greedy:
             sampled = first_argmax(logits)
         else:
@@ -105,9 +97,23 @@ class Sampler:
         return out
 
     @staticmethod
-    def _sample_random(
-        logits: torch.Tensor, md: SamplingMetadata, default_generator: torch.Generator | None
-    ) -> torch.Tensor:
+    def apply_logit_rules(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Penalties, suppressed / allowed tokens and min_tokens bans on fp32 ``logits``."""
+        # transformers' order (RepetitionPenalty, SuppressTokens, MinNewTokens), with
+        # vLLM's frequency and presence penalties right after the repetition penalty.
+        if md.penalties is not None:
+            logits = md.penalties.apply(logits)
+        if md.token_mask is not None:
+            logits = md.token_mask.apply(logits)
+        if md.banned_rows is not None:
+            neg_inf = torch.full((), _NEG_INF, device=logits.device)
+            logits = logits.index_put((md.banned_rows, md.banned_tokens), neg_inf)
+        return logits
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, top-k/top-p,
+        softmax, min-p (zeroed, not renormalized: draws only need weights)."""
         assert md.temperature is not None
         # Greedy rows get temperature 1 here; their argmax replaces the draw.
         temp = torch.where(md.temperature > 0, md.temperature, torch.ones_like(md.temperature))
@@ -117,6 +123,13 @@ class Sampler:
         if md.min_p is not None:
             cutoff = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < cutoff, 0.0)
+        return probs
+
+    @staticmethod
+    def _sample_random(
+        logits: torch.Tensor, md: SamplingMetadata, default_generator: torch.Generator | None
+    ) -> torch.Tensor:
+        probs = Sampler.target_probs(logits, md)
         q = torch.empty_like(probs)
         if len(md.generators) < q.shape[0]:
             q.exponential_(generator=default_generator)

@@ -1,0 +1,108 @@
+"""Speculative decoding, scheduler side: the configuration and the n-gram (prompt lookup) proposer.
+
+Plain Python: the proposer reads a request's token ids and returns draft ids;
+verification (one forward over all draft positions, rejection sampling) is
+the worker's (``worker/rejection_sampler.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Methods vLLM names that this engine does not run yet: refused by name.
+_NOT_YET = {"eagle", "eagle3", "medusa", "mtp", "draft_model", "suffix"}
+_NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}``.
+
+    ``banned_token_ids`` are never proposed (multimodal placeholder ids: a
+    draft of a pad id could only be rejected); the engine fills them from the
+    model, they are not a user key.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    banned_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
+        """Validate a user's ``speculative_config``; ``ValueError`` names the bad key."""
+        where = "speculative_config"
+        if not isinstance(config, dict):
+            raise ValueError(f"{where} must be a dict (JSON object), got {type(config).__name__}")  # noqa: TRY004
+        method = config.get("method")
+        if method is None:
+            raise ValueError(f"{where}: 'method' is required; supported: 'ngram'")
+        if method in _NOT_YET:
+            raise ValueError(f"{where}: method {method!r} is not supported yet; supported: 'ngram'")
+        if method != "ngram":
+            raise ValueError(f"{where}: unknown method {method!r}; supported: 'ngram'")
+        unknown = sorted(set(config) - _NGRAM_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key {unknown[0]!r} for method 'ngram'; expected some of {sorted(_NGRAM_KEYS)}"
+            )
+        if "num_speculative_tokens" not in config:
+            raise ValueError(f"{where}: 'num_speculative_tokens' is required for method 'ngram'")
+        k = config["num_speculative_tokens"]
+        # vLLM's defaults when a bound is left out: the other bound, else 1..3.
+        n_min = config.get("prompt_lookup_min", 1)
+        n_max = config.get("prompt_lookup_max", max(3, n_min) if isinstance(n_min, int) else 3)
+        for key, value in (("num_speculative_tokens", k), ("prompt_lookup_max", n_max), ("prompt_lookup_min", n_min)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: {key!r} must be an integer >= 1, got {value!r}")
+        if n_min > n_max:
+            raise ValueError(f"{where}: 'prompt_lookup_min'={n_min} exceeds 'prompt_lookup_max'={n_max}")
+        return cls("ngram", k, n_max, n_min)
+
+    def with_banned(self, token_ids: Collection[int]) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min,
+            frozenset(int(t) for t in token_ids),
+        )  # fmt: skip
+
+
+def propose_ngram(
+    token_ids: Sequence[int], k: int, min_n: int, max_n: int, banned: Collection[int] = ()
+) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens that followed an earlier occurrence of
+    the longest suffix n-gram (``min_n <= n <= max_n``) of ``token_ids``.
+
+    Policy: the longest n that matches wins; among its matches the latest
+    one (the most recent context is the likeliest to repeat). The draft is cut
+    before the first banned id (placeholders are never proposed) and at the
+    end of the history. Empty when nothing matches.
+    """
+    num = len(token_ids)
+    if k < 1 or num < min_n + 1:
+        return []
+    tokens = token_ids
+    last = tokens[-1]
+    best_len, best_end = 0, -1
+    # One scan from the right over the ends of candidate matches (each must
+    # have a token after it); a match only replaces a strictly shorter one, so
+    # the latest of the longest wins. O(len * max_n) in the worst case.
+    for end in range(num - 2, -1, -1):
+        if tokens[end] != last:
+            continue
+        length = 1
+        while length < max_n and length <= end and tokens[end - length] == tokens[num - 1 - length]:
+            length += 1
+        if length > best_len:
+            best_len, best_end = length, end
+            if length == max_n:
+                break
+    if best_len < min_n:
+        return []
+    draft = list(tokens[best_end + 1 : best_end + 1 + k])
+    for i, t in enumerate(draft):
+        if t in banned:
+            return draft[:i]
+    return draft

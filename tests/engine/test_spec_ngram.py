@@ -1,0 +1,587 @@
+"""Speculative decoding with prompt lookup (``speculative_config={"method": "ngram", ...}``).
+
+Greedy outputs with speculation equal those without it and transformers',
+token for token; drafts are accepted where the model repeats itself; stop
+rules cut inside an accepted run; prefix caching and preemption see only
+verified tokens; the rejection sampler keeps the target's distribution.
+
+Two kinds of tiny checkpoints: the plain random ones (they rarely repeat, so
+almost every draft is rejected and rolled back) and "copying" ones whose
+attention output is scaled down (``o_proj`` times a factor), so the next
+token depends mostly on the current one and greedy decoding falls into
+cycles that prompt lookup predicts. Factor 0 is a pure bigram model (every
+draft of a cycle is accepted); 0.01 keeps attention in play.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from utils_engine import PROMPTS, assert_pool_clean, hf_greedy, make_engine, run_all
+
+from omnistage.core.spec_decode import SpeculativeConfig, propose_ngram
+from omnistage.engine.arg_utils import EngineArgs
+from omnistage.models.loader import load_model
+from omnistage.sampling_params import SamplingParams
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
+from omnistage.worker.rejection_sampler import accept_greedy, accept_random
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+REPEATING = "one two three four one two three four one two three four one two"
+
+
+@pytest.fixture(scope="module")
+def copying(tmp_path_factory):
+    """(arch, factor) -> (loaded model, HF model) of a tiny checkpoint with scaled attention output."""
+    cache: dict = {}
+
+    def get(arch: str, factor: float):
+        if (arch, factor) not in cache:
+            path = Path(write_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"copy_{arch}_{factor}")))
+            for f in path.glob("*.safetensors"):
+                sd = load_file(f)
+                sd = {k: v * factor if k.endswith("o_proj.weight") else v for k, v in sd.items()}
+                save_file(sd, f, metadata={"format": "pt"})
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cache[arch, factor] = (load_model(str(path)), hf)
+        return cache[arch, factor]
+
+    return get
+
+
+def _token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_held_nothing(engine):
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.held().is_empty
+    assert_pool_clean(engine)
+
+
+# -- configuration -------------------------------------------------------------------
+
+
+def test_config_from_dict_and_errors_name_the_key():
+    cfg = SpeculativeConfig.from_dict(NGRAM)
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (4, 3, 1)
+    with pytest.raises(ValueError, match="'eagle' is not supported yet"):
+        SpeculativeConfig.from_dict({"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="unknown method 'bogus'"):
+        SpeculativeConfig.from_dict({"method": "bogus", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="unknown key 'lookahead'"):
+        SpeculativeConfig.from_dict({**NGRAM, "lookahead": 2})
+    with pytest.raises(ValueError, match="'num_speculative_tokens' must be an integer >= 1"):
+        SpeculativeConfig.from_dict({**NGRAM, "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="'prompt_lookup_min'=4 exceeds 'prompt_lookup_max'=3"):
+        SpeculativeConfig.from_dict({**NGRAM, "prompt_lookup_min": 4})
+    with pytest.raises(ValueError, match="'num_speculative_tokens' is required"):
+        SpeculativeConfig.from_dict({"method": "ngram"})
+    with pytest.raises(ValueError, match="unknown key 'typo'"):
+        EngineArgs(speculative_config={**NGRAM, "typo": 1})
+    assert EngineArgs().speculative_config is None  # off by default
+
+
+def test_llm_takes_speculative_config(copying):
+    from omnistage.entrypoints.llm import LLM
+
+    loaded, _ = copying("qwen2", 0.0)
+    prompt = _in_cycle(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    off = LLM(loaded).generate([prompt], params, use_tqdm=False)
+    llm = LLM(loaded, speculative_config=NGRAM)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == off[0].outputs[0].token_ids
+    assert llm.get_stats().num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="'eagle' is not supported yet"):
+        LLM(loaded, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+def test_cli_flag_takes_json(capsys):
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert EngineArgs.from_cli_args(args).speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert EngineArgs.from_cli_args(parser.parse_args([])).speculative_config is None
+    for bad in ['{"method": ngram}', "[1, 2]"]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculative-config", bad])
+        assert "--speculative-config" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown key 'k'"):
+        EngineArgs.from_cli_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "k": 3}']))
+
+
+# -- the proposer -----------------------------------------------------------------
+
+
+def test_propose_ngram_longest_then_latest_match():
+    # Suffix [1, 2] occurs at 0 (then 3) and at 4 (then 9): latest wins.
+    assert propose_ngram([1, 2, 3, 7, 1, 2, 9, 8, 1, 2], 2, 1, 3) == [9, 8]
+    # The 3-gram [7, 1, 2] beats the later 2-gram match.
+    assert propose_ngram([7, 1, 2, 5, 6, 1, 2, 4, 7, 1, 2], 2, 1, 3) == [5, 6]
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
+    assert propose_ngram([5, 6, 5], 4, 1, 3) == [6, 5]  # cut at the end of the history
+    assert propose_ngram([5, 6, 5], 4, 2, 3) == []  # below prompt_lookup_min
+    # Placeholder ids are never proposed: the draft stops before the first one.
+    assert propose_ngram([4, 8, 99, 99, 3, 4], 4, 1, 2, banned={99}) == [8]
+    assert propose_ngram([4, 99, 3, 4], 4, 1, 2, banned={99}) == []
+
+
+# -- greedy exactness -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("factor", [0.0, 0.01, 1.0])
+def test_greedy_equals_speculation_off_and_hf(arch, factor, copying):
+    loaded, hf = copying(arch, factor)
+    prompts = [REPEATING, *PROMPTS[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    refs = [hf_greedy(hf, loaded.tokenizer.encode(p), 24) for p in prompts]
+    off = make_engine(loaded)
+    on = make_engine(loaded, speculative_config=NGRAM)
+    # Mixed batch (prefills beside speculating decodes), then one at a time.
+    assert _token_ids(run_all(off, prompts, params)) == refs
+    assert _token_ids(run_all(on, prompts, params)) == refs
+    for i, p in enumerate(prompts):
+        assert _token_ids(run_all(on, [p], params, prefix=f"solo{i}-")) == [refs[i]]
+    stats = on.get_stats()
+    assert stats.num_draft_tokens > 0
+    assert off.get_stats().num_draft_tokens == 0
+    if factor < 1.0:
+        assert stats.num_accepted_tokens > 0
+        assert stats.num_steps < off.get_stats().num_steps * (len(prompts) + 1)  # fewer steps than tokens
+    _assert_held_nothing(on)
+
+
+def _in_cycle(loaded) -> dict:
+    """A prompt whose greedy continuation under the bigram model is already in
+    its cycle, so prompt lookup drafts right from the first decode."""
+    ids = loaded.tokenizer.encode(REPEATING)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    warmup = _token_ids(run_all(make_engine(loaded), [{"prompt_token_ids": ids}], params))[0]
+    return {"prompt_token_ids": ids + warmup}
+
+
+@pytest.mark.parametrize("max_tokens", [2, 5, 6, 7, 9, 13])
+def test_max_tokens_and_stop_ids_inside_an_accepted_run(max_tokens, copying):
+    loaded, _ = copying("llama", 0.0)
+    prompt = _in_cycle(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    off = _token_ids(run_all(make_engine(loaded), [prompt], params))
+    on_engine = make_engine(loaded, speculative_config={**NGRAM, "num_speculative_tokens": 6})
+    outs = run_all(on_engine, [prompt], params)
+    assert _token_ids(outs) == off and len(off[0]) == max_tokens
+    assert outs[0].outputs[0].finish_reason == "length"
+    stats, metrics = on_engine.get_stats(), outs[0].metrics
+    assert (metrics.num_draft_tokens, metrics.num_accepted_tokens) == (stats.num_draft_tokens, stats.num_accepted_tokens)
+    if max_tokens > 2:
+        assert stats.num_accepted_tokens > 0 and metrics.draft_acceptance_rate > 0
+    # A stop id met inside an accepted run: nothing after it is emitted.
+    long_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    long = _token_ids(run_all(make_engine(loaded), [prompt], long_params))[0]
+    stop = long[max_tokens - 1]
+    first = long.index(stop)
+    stopped = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    out = run_all(on_engine, [prompt], stopped, prefix="stop-")[0].outputs[0]
+    assert out.token_ids == long[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    _assert_held_nothing(on_engine)
+
+
+def test_stop_string_inside_an_accepted_run(copying):
+    loaded, _ = copying("qwen2", 0.0)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = _in_cycle(loaded)
+    full = run_all(make_engine(loaded), [prompt], params)[0].outputs[0]
+    tok = loaded.tokenizer
+    # A stop string that ends inside the 8th token's text.
+    text8 = tok.decode(full.token_ids[:8], skip_special_tokens=True)
+    if len(text8.strip()) < 2:
+        pytest.skip("the tiny tokenizer decodes these ids to no text")
+    stop = text8[-2:]
+    stop_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
+    ref = run_all(make_engine(loaded), [prompt], stop_params)[0].outputs[0]
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    out = run_all(engine, [prompt], stop_params)[0].outputs[0]
+    assert (out.text, out.token_ids, out.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 8
+    assert engine.get_stats().num_accepted_tokens > 0
+    _assert_held_nothing(engine)
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0])
+def test_prefix_cache_second_turn_hits_the_same(factor, copying):
+    """Only verified tokens' blocks are cached: a second turn that extends the
+    first hits as much with speculation as without, and outputs agree (with
+    the full model, rejected drafts' KV would show in the hit's outputs)."""
+    loaded, hf = copying("llama", factor)
+    prompt = _in_cycle(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    results = []
+    for spec in (None, NGRAM):
+        engine = make_engine(loaded, block_size=4, speculative_config=spec)
+        (first,) = run_all(engine, [prompt], params, prefix="t1-")
+        turn2 = {"prompt_token_ids": list(first.prompt_token_ids) + first.outputs[0].token_ids + [5, 6, 7]}
+        (second,) = run_all(engine, [turn2], params, prefix="t2-")
+        stats = engine.get_stats()
+        results.append((_token_ids([first, second]), stats.prefix_cache_hit_tokens, second.num_cached_tokens))
+        if spec is not None:
+            assert stats.num_draft_tokens > 0
+            assert stats.num_accepted_tokens > 0 or factor == 1.0
+        _assert_held_nothing(engine)
+    assert results[0] == results[1]
+    assert results[1][1] > 0
+    ids = turn2["prompt_token_ids"]
+    assert results[1][0][1] == hf_greedy(hf, ids, 20)
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0])
+def test_preemption_under_a_small_pool(factor, copying):
+    loaded, _ = copying("llama", factor)
+    prompts = [REPEATING, *PROMPTS[:3], "one two three four five", "paris paris paris paris"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    refs = _token_ids(run_all(make_engine(loaded, block_size=4), prompts, params))
+    engine = make_engine(loaded, block_size=4, num_kv_blocks=20, speculative_config=NGRAM)
+    assert _token_ids(run_all(engine, prompts, params)) == refs
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_draft_tokens > 0
+    _assert_held_nothing(engine)
+
+
+def test_small_budget_and_context_length_cap_drafts(copying):
+    """A budget of 3 leaves room for 2 drafts; the context length for fewer at the end."""
+    loaded, hf = copying("qwen3", 0.0)
+    prompt = _in_cycle(loaded)
+    ids = prompt["prompt_token_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    engine = make_engine(
+        loaded, max_num_batched_tokens=3, max_model_len=len(ids) + 10, speculative_config=NGRAM
+    )
+    (out,) = run_all(engine, [prompt], params)
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, 10)
+    assert out.outputs[0].finish_reason == "length"
+    assert engine.get_stats().num_accepted_tokens > 0
+    _assert_held_nothing(engine)
+
+
+def test_unsupported_params_decode_without_drafts(copying):
+    """Penalties, logprobs and pending min_tokens fall back to plain decoding (same outputs)."""
+    loaded, _ = copying("llama", 0.0)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12),
+    ]
+    prompts = [REPEATING] * 3
+    off = run_all(make_engine(loaded), prompts, params)
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    on = run_all(engine, prompts, params)
+    assert _token_ids(on) == _token_ids(off)
+    assert on[1].outputs[0].logprobs == off[1].outputs[0].logprobs
+    assert engine.get_stats().num_draft_tokens == 0
+    _assert_held_nothing(engine)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_suppressed_and_allowed_tokens_speculate(temperature, copying):
+    """Token masks do not depend on the position, so such requests speculate;
+    greedy ones keep their outputs, and no masked token is ever emitted."""
+    loaded, _ = copying("llama", 0.0)
+    prompt = _in_cycle(loaded)
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cycle = set(_token_ids(run_all(make_engine(loaded), [prompt], plain))[0])
+    outside = [t for t in range(20) if t not in cycle][:3]
+    params = [
+        SamplingParams(temperature=temperature, seed=3, max_tokens=16, ignore_eos=True, suppress_token_ids=outside),
+        SamplingParams(temperature=temperature, seed=4, max_tokens=16, ignore_eos=True, allowed_token_ids=sorted(cycle)),
+    ]
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    on = _token_ids(run_all(engine, [prompt, prompt], params))
+    assert not set(on[0]) & set(outside) and set(on[1]) <= cycle
+    if temperature == 0.0:
+        assert on == _token_ids(run_all(make_engine(loaded), [prompt, prompt], params))
+        assert engine.get_stats().num_accepted_tokens > 0
+    assert engine.get_stats().num_draft_tokens > 0
+    _assert_held_nothing(engine)
+
+
+def test_omni_thinker_with_audio_and_a_thinker_for_a_talker_refused(tmp_path, monkeypatch):
+    """A Qwen2.5-Omni thinker serving text speculates (same outputs, audio in);
+    a thinker whose rows go to a talker is refused (not supported yet)."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+    from utils_mm import chat_prompt, clip, hf_greedy_mm, write_sensitive_checkpoint
+
+    from omnistage.models.qwen2_5_omni import THINKER_FOR_TALKER_POLICY
+    from omnistage.multimodal.processing import MultiModalProcessor
+
+    path = write_sensitive_checkpoint("omni", tmp_path / "omni")
+    loaded = load_model(path)
+    proc = MultiModalProcessor.from_pretrained(path)
+    prompts = [chat_prompt(proc, ["audio", "text"], {"audio": clip(0, 1.3)}), REPEATING]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = make_engine(loaded, block_size=4, speculative_config=NGRAM)
+    assert engine.scheduler.config.speculative_config.banned_token_ids == set(proc.placeholder_ids.values())
+    on = _token_ids(run_all(engine, prompts, params))
+    assert on == _token_ids(run_all(make_engine(loaded, block_size=4), prompts, params))
+    hf = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).eval()
+    assert on[0] == hf_greedy_mm(hf, proc.process(prompts[0]), 10)
+    assert engine.get_stats().num_draft_tokens > 0
+    _assert_held_nothing(engine)
+    monkeypatch.setattr(loaded.mm_adapter, "tensor_cache_policy", THINKER_FOR_TALKER_POLICY, raising=False)
+    with pytest.raises(ValueError, match="speculative_config is not supported yet for the 'llm' stage"):
+        make_engine(loaded, speculative_config=NGRAM)
+
+
+# -- sampling -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0])
+def test_seeded_sampling_is_reproducible_with_speculation(factor, copying):
+    loaded, _ = copying("llama", factor)
+    prompts = [REPEATING, PROMPTS[1], REPEATING]
+    params = [
+        SamplingParams(temperature=0.7, seed=11, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    ]
+    runs = []
+    for _ in range(2):
+        engine = make_engine(loaded, speculative_config=NGRAM)
+        runs.append(_token_ids(run_all(engine, prompts, params)))
+        assert engine.get_stats().num_draft_tokens > 0
+        _assert_held_nothing(engine)
+    assert runs[0] == runs[1]
+    # The greedy row is unaffected by its sampled neighbours.
+    greedy = _token_ids(run_all(make_engine(loaded), [REPEATING], params[2]))[0]
+    assert runs[0][2] == greedy
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0  # a zero-probability token is never emitted
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# 0.999 quantiles of chi-square with df = 5 and df = 24 degrees of freedom.
+_CHI2_999 = {5: 20.52, 24: 51.18}
+
+
+@pytest.mark.parametrize("draft", [0, 2, 5])
+def test_rejection_sampler_keeps_the_target_distribution(draft):
+    """With a one-hot draft the emitted first token is distributed as the
+    target ``p`` (accepted with p(d), else drawn from p without d), and the
+    next one as the next position's ``p`` given an accepted draft."""
+    p0 = torch.tensor([0.05, 0.1, 0.4, 0.0, 0.25, 0.2])
+    p1 = torch.tensor([0.3, 0.1, 0.1, 0.2, 0.0, 0.3])
+    probs = torch.stack([p0 * 3.0, p1])  # unnormalized weights are fine (min-p leaves them so)
+    gen = torch.Generator().manual_seed(1234)
+    n = 20000
+    first = torch.zeros(6)
+    pairs = torch.zeros(6, 6)
+    for _ in range(n):
+        out = accept_random(probs, [draft], gen)
+        first[out[0]] += 1
+        if len(out) == 2:
+            assert out[0] == draft  # a second token only after an accepted draft
+            pairs[out[0], out[1]] += 1
+    assert _chi_square(first, p0) < _CHI2_999[5]
+    if p0[draft] > 0:
+        second = pairs[draft]
+        assert abs(second.sum() / n - float(p0[draft])) < 0.02
+        assert _chi_square(second, p1) < _CHI2_999[5]
+    else:
+        assert first[draft] == 0
+
+
+def test_rejection_sampler_two_drafts_joint_distribution():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0], [0.1, 0.6, 0.3, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    gen = torch.Generator().manual_seed(7)
+    n = 20000
+    joint = torch.zeros(5, 5)
+    for _ in range(n):
+        out = accept_random(p, [0, 1], gen)
+        if out[0] == 0:  # the first draft was accepted, so a second token follows
+            joint[out[0], out[1]] += 1
+    # P(first = 0) = 0.5; given it, the second token ~ p[1].
+    assert abs(joint[0].sum() / n - 0.5) < 0.015
+    assert _chi_square(joint[0], p[1]) < _CHI2_999[5]
+
+
+def test_accept_greedy():
+    assert accept_greedy([4, 5, 6], [4, 5]) == [4, 5, 6]  # all accepted: bonus token
+    assert accept_greedy([4, 9, 6], [4, 5]) == [4, 9]  # first mismatch: the target's token
+    assert accept_greedy([3, 5, 6], [4, 5]) == [3]
+
+
+def test_batched_verifier_draws_from_the_filtered_target():
+    """Through ``RejectionSampler`` (temperature and top-k applied as the plain
+    sampler does), a rejected-or-accepted draft leaves the emitted token
+    distributed as the filtered target; a greedy neighbour takes the argmax."""
+    from omnistage.worker.rejection_sampler import RejectionSampler
+    from omnistage.worker.sampler import SamplingMetadata
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8) * 2
+    md = SamplingMetadata(
+        temperature=torch.tensor([0.8, 0.8, 0.0, 0.0]),
+        greedy=torch.tensor([False, False, True, True]),
+        all_greedy=False,
+        top_k=torch.tensor([5, 5, 0, 0]),
+        top_p=None,
+        min_p=None,
+    )
+    masked = logits[0] / 0.8
+    masked[masked < masked.topk(5).values[-1]] = float("-inf")
+    target = torch.softmax(masked, dim=-1)
+    draft = int(target.argsort()[-2])  # a likely token, neither certain nor impossible
+    gen = torch.Generator().manual_seed(99)
+    sampler = RejectionSampler()
+    counts = torch.zeros(8)
+    greedy_draft = int(logits[2].argmax())
+    for _ in range(20000):
+        random_out, greedy_out = sampler(logits, md, [[draft], [greedy_draft]], gen)
+        counts[random_out[0]] += 1
+        assert greedy_out == [greedy_draft, int(logits[3].argmax())]
+    assert _chi_square(counts, target) < _CHI2_999[5]
+
+
+# -- multimodal ------------------------------------------------------------------------
+
+
+def test_vision_language_outputs_equal_and_placeholders_never_proposed(tmp_path):
+    """Qwen2.5-VL with an image and a video: the same greedy tokens with and
+    without speculation, and transformers'; the placeholder ids are banned
+    from drafts (a prompt full of pad runs would otherwise propose them)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from utils_mm import chat_prompt, hf_greedy_mm, image, video, write_sensitive_checkpoint
+
+    from omnistage.multimodal.processing import MultiModalProcessor
+
+    path = write_sensitive_checkpoint("vl", tmp_path / "vl")
+    loaded = load_model(path)
+    proc = MultiModalProcessor.from_pretrained(path)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
+    prompts = [
+        chat_prompt(proc, ["image", "text", "image"], {"image": [image(0), image(0)]}),
+        chat_prompt(proc, ["video", "text"], {"video": video(0)}),
+        REPEATING,
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = make_engine(loaded, block_size=4, speculative_config=NGRAM)
+    banned = engine.scheduler.config.speculative_config.banned_token_ids
+    assert banned == set(proc.placeholder_ids.values()) and banned
+    proposed: list[int] = []
+    propose = engine.scheduler._propose
+
+    def spy(request, n, budget):
+        drafts = propose(request, n, budget)
+        proposed.extend(drafts)
+        return drafts
+
+    engine.scheduler._propose = spy
+    on = _token_ids(run_all(engine, prompts, params))
+    off = _token_ids(run_all(make_engine(loaded, block_size=4), prompts, params))
+    assert on == off
+    for prompt, tokens in zip(prompts[:2], on):
+        assert tokens == hf_greedy_mm(hf, proc.process(prompt), 10)
+    assert proposed and not banned & set(proposed)
+    # A history that ends like the token before an image's pad run: the pads
+    # would be the draft, the engine's config cuts them.
+    ids = proc.process(prompts[0]).prompt_token_ids
+    first_pad = min(i for i, t in enumerate(ids) if t in banned)
+    history = ids + ids[first_pad - 2 : first_pad]
+    cfg = engine.scheduler.config.speculative_config
+    unbanned = propose_ngram(history, 4, 1, 3)
+    assert len(unbanned) == 4 and set(unbanned) <= banned
+    assert propose_ngram(history, 4, 1, 3, cfg.banned_token_ids) == []
+    _assert_held_nothing(engine)
+
+
+# -- the scheduler alone -----------------------------------------------------------------
+
+
+def _spec_scheduler(**kw):
+    from omnistage.core.config import SchedulerConfig
+    from omnistage.core.scheduler import Scheduler
+
+    args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_kv_blocks=16)
+    args.update(kw)
+    return Scheduler(SchedulerConfig(speculative_config=SpeculativeConfig.from_dict(NGRAM), **args))
+
+
+def test_scheduler_rolls_back_rejected_drafts_and_caches_only_verified_blocks():
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    sched = _spec_scheduler()
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1]  # 11 tokens
+    req = Request("r", prompt, SamplingParams(max_tokens=20))
+    sched.add_request(req)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"r": 11} and not so.scheduled_spec_decode_tokens
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 2}))
+    # Decode: last known token 2 follows [..., 1]; lookup of [5, 1, 2] proposes [3, 4, 5, 1].
+    so = sched.schedule()
+    assert so.scheduled_spec_decode_tokens == {"r": [3, 4, 5, 1]} and so.num_scheduled_tokens == {"r": 5}
+    assert req.num_computed_tokens == 16 and len(sched.kv_cache_manager.get_block_ids("r")) == 4
+    # Two drafts accepted, then the target's own token 9: 3 tokens emitted.
+    out = ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 9}, spec_sampled_token_ids={"r": [3, 4, 9]})
+    sched.update_from_output(so, out)
+    assert req.output_token_ids == [2, 3, 4, 9]
+    assert req.num_computed_tokens == 14  # positions 0..13 verified; the rejected drafts' slots are redone
+    assert len(req.block_hashes) == 3  # 15 known tokens: 3 full blocks hashed, all verified
+    assert sched.kv_cache_manager._num_cached_blocks["r"] == 3
+    assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (4, 2)
+    assert (req.num_draft_tokens, req.num_accepted_tokens) == (4, 2)
+    # A result that does not start with the drafts is refused, naming the request.
+    so = sched.schedule()
+    drafts = so.scheduled_spec_decode_tokens.get("r")
+    if drafts:
+        bad = ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 7}, spec_sampled_token_ids={"r": [99, 7]})
+        with pytest.raises(RuntimeError, match="request 'r' verified drafts"):
+            sched.update_from_output(so, bad)
+
+
+def test_scheduler_drafts_never_preempt_and_respect_max_tokens():
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    # 3 blocks of 4: the prompt (8 tokens) plus a decode fit, drafts past slot 12 do not.
+    sched = _spec_scheduler(num_kv_blocks=3)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    req = Request("r", prompt, SamplingParams(max_tokens=4))
+    other = Request("o", [7, 8], SamplingParams(max_tokens=1))
+    sched.add_request(req)
+    sched.add_request(other)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["r", "o"], sampled_token_ids={"r": 3, "o": 5}))
+    so = sched.schedule()
+    # max_tokens=4 with 1 out: at most 2 drafts (2 accepted + 1 bonus = 3 more tokens).
+    assert so.scheduled_spec_decode_tokens == {"r": [1, 2]}
+    sched.update_from_output(
+        so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 3}, spec_sampled_token_ids={"r": [1, 2, 3]})
+    )
+    assert req.finished and req.output_token_ids == [3, 1, 2, 3]
+    assert sched.num_preemptions == 0
+
+
+def test_scheduler_drops_drafts_rather_than_preempt():
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    # Two 7-token prompts fill the 4 blocks of 4; their decodes fit in the blocks
+    # they hold, drafts would need a fifth block.
+    sched = _spec_scheduler(num_kv_blocks=4)
+    a = Request("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=10))
+    b = Request("b", [7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=10))
+    sched.add_request(a)
+    sched.add_request(b)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids={"a": 2, "b": 5}))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.scheduled_spec_decode_tokens
+    assert sched.num_preemptions == 0 and not so.preempted_req_ids
