@@ -44,22 +44,26 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {arch: write_tiny_checkpoint(arch, root / arch) for arch in ("llama", "qwen2", "qwen3")}
 
 
-@pytest.fixture(scope="session")
-def server(tiny_checkpoints, tmp_path_factory) -> Iterator[Server]:
-    """The shared tiny-llama server, with small media and body limits."""
-    media_dir = tmp_path_factory.mktemp("media")
+def _serve_with_test_limits(model_path: Path, name: str, media_dir: Path) -> Iterator[Server]:
+    """A server on ``model_path`` with the tests' small media and body limits."""
     thread, app = start_server(
-        tiny_checkpoints["llama"],
-        TINY_MODEL_NAME,
+        model_path,
+        name,
         media_dir,
         max_image_pixels=TEST_MAX_IMAGE_PIXELS,
         max_audio_seconds=TEST_MAX_AUDIO_SECONDS,
         max_request_body_bytes=TEST_MAX_BODY_BYTES,
     )
     try:
-        yield Server(thread, app, TINY_MODEL_NAME, media_dir)
+        yield Server(thread, app, name, media_dir)
     finally:
         thread.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoints, tmp_path_factory) -> Iterator[Server]:
+    """The shared tiny-llama server, with small media and body limits."""
+    yield from _serve_with_test_limits(tiny_checkpoints["llama"], TINY_MODEL_NAME, tmp_path_factory.mktemp("media"))
 
 
 @pytest.fixture(scope="session")
@@ -67,19 +71,7 @@ def media_server(tmp_path_factory) -> Iterator[Server]:
     """A tiny Qwen2.5-Omni thinker (text, image, video and audio in) with the
     shared server's media and body limits and its own local media folder."""
     path = write_tiny_qwen2_5_omni_thinker(tmp_path_factory.mktemp("tiny_omni_thinker"))
-    media_dir = tmp_path_factory.mktemp("media_for_omni")
-    thread, app = start_server(
-        Path(path),
-        TINY_MEDIA_MODEL_NAME,
-        media_dir,
-        max_image_pixels=TEST_MAX_IMAGE_PIXELS,
-        max_audio_seconds=TEST_MAX_AUDIO_SECONDS,
-        max_request_body_bytes=TEST_MAX_BODY_BYTES,
-    )
-    try:
-        yield Server(thread, app, TINY_MEDIA_MODEL_NAME, media_dir)
-    finally:
-        thread.stop()
+    yield from _serve_with_test_limits(Path(path), TINY_MEDIA_MODEL_NAME, tmp_path_factory.mktemp("media_for_omni"))
 
 
 @pytest.fixture
