@@ -80,6 +80,10 @@ class StageEngine:
     largest item the model accepts; ``input_modalities`` says what it takes.
     """
 
+    # What a single stage gives; an omni pipeline that speaks also gives audio, in its voices.
+    output_modalities: frozenset[str] = frozenset({"text"})
+    voices: tuple[str, ...] = ()
+
     def __init__(self, args: EngineArgs, loaded_model: Any | None = None, spec: StageSpec | None = None) -> None:
         keep_freed_host_memory()  # per-step buffers reuse freed memory instead of faulting in new pages
         if loaded_model is None:
@@ -276,7 +280,10 @@ class StageEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (by the ids given to ``add_request``); unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        children = [cid for rid in ids for cid in self.output_processor.pop_request(rid)]
+        self._release([cid for rid in ids for cid in self.output_processor.pop_request(rid)])
+
+    def _release(self, children: list[str]) -> None:
+        """Free what ended child requests hold in the scheduler and the runner."""
         if children:
             self.scheduler.abort_requests(children)
             self.runner.forget(children)
@@ -322,9 +329,7 @@ class StageEngine:
             out, unfinished = self.output_processor.fail_request(rid, f"request {rid!r}: {error}", now)
             outputs.append(out)
             children += unfinished
-        if children:
-            self.scheduler.abort_requests(children)
-            self.runner.forget(children)
+        self._release(children)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -55,7 +55,7 @@ class LLM:
 
     @property
     def output_modalities(self) -> frozenset[str]:
-        return getattr(self.llm_engine, "output_modalities", frozenset({"text"}))
+        return self.llm_engine.output_modalities
 
     def generate(
         self,

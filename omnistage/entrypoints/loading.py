@@ -50,7 +50,7 @@ def core_engine(engine: Any) -> Any:
 
 
 def can_speak(engine: Any) -> bool:
-    return "audio" in (getattr(engine, "output_modalities", None) or ())
+    return "audio" in engine.output_modalities
 
 
 def summary_line(engine: Any, seconds: float) -> str:

@@ -80,14 +80,10 @@ class TalkerInputs:
 
 
 class Token2WavInputs:
-    """The vocoder stage's input processor: the codes ride along as the payload."""
-
-    def __init__(self, speakers: dict[str, Any]) -> None:
-        self.speakers = speakers
+    """The vocoder stage's input processor: the codes ride along as the payload
+    (the speaker was resolved when the request entered the pipeline)."""
 
     def process(self, request_id: str, request: Token2WavRequest) -> ProcessedInputs:
-        if request.speaker not in self.speakers:
-            raise ValueError(f"token2wav request {request_id!r}: unknown speaker {request.speaker!r}")
         return ProcessedInputs(None, list(request.codes), payload=request)
 
 
@@ -147,7 +143,7 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
         StageSpec(
             "token2wav",
             kind="one_shot",
-            input_processor=Token2WavInputs(omni.speakers),
+            input_processor=Token2WavInputs(),
             max_requests_per_step=options.token2wav_requests_per_step,
         ),
     )
