@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from utils_engine import PROMPTS, assert_pool_clean, make_engine, run_all
+from utils_engine import PROMPTS, assert_pool_clean, hf_greedy, make_engine, run_all
 
 from omnistage.sampling_params import SamplingParams
 
@@ -21,22 +21,6 @@ PROMPTS6 = PROMPTS[:3] + ["images, audio and video go in", "one two three four f
 @pytest.fixture(scope="module")
 def hf(tiny_paths):
     return AutoModelForCausalLM.from_pretrained(tiny_paths[ARCH], dtype=torch.float32).eval()
-
-
-def _hf_generate(hf, prompt_ids: list[int], p: SamplingParams) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            repetition_penalty=p.repetition_penalty,
-            suppress_tokens=p.suppress_token_ids or None,
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 def _reference_loop(hf, prompt_ids: list[int], p: SamplingParams) -> list[int]:
@@ -75,7 +59,9 @@ def test_penalties_match_references_in_a_mixed_batch_that_preempts(tiny_loaded, 
         if p.presence_penalty or p.frequency_penalty:
             expected = _reference_loop(hf, ids, p)
         else:
-            expected = _hf_generate(hf, ids, p)
+            expected = hf_greedy(
+                hf, ids, MAX_TOKENS, repetition_penalty=p.repetition_penalty, suppress_tokens=p.suppress_token_ids or None
+            )
         assert outs[i] == expected, i
     plain = [hf_reference(ARCH, ids, MAX_TOKENS) for ids in prompt_ids]
     assert outs[2] == plain[2]

@@ -21,7 +21,9 @@ PROMPTS = [
 
 
 
-def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """``generate``'s greedy tokens, exactly ``max_new_tokens`` of them; ``generate_kwargs``
+    add its logits processors (``repetition_penalty``, ``suppress_tokens``, ...)."""
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = model.generate(
@@ -32,6 +34,7 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            **generate_kwargs,
         )
     return out[0, len(prompt_ids) :].tolist()
 

@@ -109,3 +109,13 @@ def start_server(model_path: Path | None, name: str | None, media_dir: Path | No
     )
     app = build_app(engine_args, opts)
     return ServerThread(app).start(), app
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """``/metrics`` text as ``{sample name with labels: value}`` (comment lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 import pytest
+from oai_helpers import metric_samples
 
 from omnistage.entrypoints.openai.metrics import ServerMetrics, normalize_engine_stats
 from omnistage.entrypoints.openai.stats_log import StatsLogger
@@ -21,15 +22,6 @@ class _Stats:
     prefix_cache_queries: int = 3  # admissions, not tokens: must not be mistaken for query tokens
     prefix_cache_query_tokens: int = 100
     prefix_cache_hit_tokens: int = 25
-
-
-def _samples(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def test_engine_stats_mapping() -> None:
@@ -51,7 +43,7 @@ def test_render() -> None:
     m.record_ttft(0.03)
     m.record_ttft(100.0)
     text = m.render(normalize_engine_stats(_Stats()))
-    s = _samples(text)
+    s = metric_samples(text)
     assert s['omnistage:requests_total{endpoint="chat",outcome="success"}'] == 2
     assert s['omnistage:requests_total{endpoint="completions",outcome="client_error"}'] == 1
     assert s["omnistage:prompt_tokens_total"] == 10 and s["omnistage:generation_tokens_total"] == 4
@@ -77,7 +69,7 @@ def test_latency_histograms() -> None:
     m.record_latencies(_finished(10.0, 10.5, 12.5, 5))  # e2e 2.5 s; (12.5 - 10.5) / 4 = 0.5 s per token
     m.record_latencies(_finished(0.0, 0.02, 0.02, 1))  # one token: no time per output token
     m.record_latencies(_finished(0.0, None, None, 0))  # no timestamps: nothing
-    s = _samples(m.render({}))
+    s = metric_samples(m.render({}))
     e2e, tpot = "omnistage:e2e_request_latency_seconds", "omnistage:time_per_output_token_seconds"
     assert s[f"{e2e}_count"] == 2 and s[f"{e2e}_sum"] == pytest.approx(2.52)
     assert s[f'{e2e}_bucket{{le="0.025"}}'] == 1 and s[f'{e2e}_bucket{{le="2.5"}}'] == 2

@@ -10,22 +10,13 @@ import time
 
 import httpx
 import pytest
-from oai_helpers import TINY_MODEL_NAME, Server, start_server
+from oai_helpers import TINY_MODEL_NAME, Server, metric_samples, start_server
 from transformers import AutoTokenizer
 
 import omnistage
 
 MSG = [{"role": "user", "content": "what is the capital of france?"}]
 HISTOGRAMS = ("e2e_request_latency_seconds", "time_per_output_token_seconds", "time_to_first_token_seconds")
-
-
-def _samples(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def _sse_usage(resp: httpx.Response) -> dict:
@@ -45,7 +36,7 @@ def tokenizer(tiny_checkpoints):
 
 
 def test_latency_histograms_count_every_request(server: Server, http: httpx.Client) -> None:
-    before = _samples(http.get("/metrics").text)
+    before = metric_samples(http.get("/metrics").text)
     common = {"model": server.model, "max_tokens": 5, "ignore_eos": True, "temperature": 0.0}
     opts = {"stream_options": {"include_usage": True}}
     requests = [
@@ -59,7 +50,7 @@ def test_latency_histograms_count_every_request(server: Server, http: httpx.Clie
         assert r.status_code == 200, r.text
         usage = _sse_usage(r) if body.get("stream") else r.json()["usage"]
         assert usage["completion_tokens"] == 5
-    after = _samples(http.get("/metrics").text)
+    after = metric_samples(http.get("/metrics").text)
     for name in HISTOGRAMS:
         full = f"omnistage:{name}"
         assert after[f"{full}_count"] - before[f"{full}_count"] == len(requests), name
