@@ -39,14 +39,14 @@ class OneShotScheduler:
         """No media: nothing to check."""
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         ids = [req_ids] if isinstance(req_ids, str) else req_ids
         for rid in ids:
             request = self.waiting.pop(rid, None) or self._running.pop(rid, None)
             if request is not None:
-                request.status = RequestStatus.FINISHED_ABORTED
-
-    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
-        self.abort_requests(req_ids)
+                request.status = status
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self._running)
