@@ -30,7 +30,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from omnistage.attention.paged_attention import ATTN_IMPL, AttentionMetadata, attention_context
+from omnistage.attention.paged_attention import (
+    ATTN_IMPL,
+    AttentionMetadata,
+    attention_context,
+)
 
 __all__ = ["EAGLE_ARCHITECTURES", "EagleHead", "load_eagle_head"]
 
@@ -56,14 +60,22 @@ def _layer_classes(model_type: str) -> tuple[type, type]:
         from transformers.models.qwen3 import modeling_qwen3 as m
 
         return m.Qwen3DecoderLayer, m.Qwen3RotaryEmbedding
-    raise ValueError(f"model_type {model_type!r} is not an EAGLE head layer omnistage runs; expected llama, qwen2, qwen3")
+    raise ValueError(
+        f"model_type {model_type!r} is not an EAGLE head layer omnistage runs; expected llama, qwen2, qwen3"
+    )
 
 
 class EagleHead(torch.nn.Module):
     """``fc`` + one decoder layer; ``forward`` returns the layer's output ``[T, hidden]``
     (fed to the target's LM head for logits, and back in as the next draft step's hidden state)."""
 
-    def __init__(self, config: PretrainedConfig, fc: torch.nn.Linear, layer: torch.nn.Module, rotary: Any) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        fc: torch.nn.Linear,
+        layer: torch.nn.Module,
+        rotary: Any,
+    ) -> None:
         super().__init__()
         self.config = config
         self.fc = fc
@@ -72,7 +84,9 @@ class EagleHead(torch.nn.Module):
         self.num_layers = 1
         heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // heads
+        )
         self.hidden_size = int(config.hidden_size)
 
     @property
@@ -88,11 +102,20 @@ class EagleHead(torch.nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        h = self.fc(torch.cat((inputs_embeds.to(self.dtype), target_hidden.to(self.dtype)), dim=-1))[None]
+        h = self.fc(
+            torch.cat(
+                (inputs_embeds.to(self.dtype), target_hidden.to(self.dtype)), dim=-1
+            )
+        )[None]
         position_ids = positions[None]
         with attention_context(attn_metadata, kv_caches):
             cos_sin = self.rotary(h, position_ids)
-            out = self.layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+            out = self.layer(
+                h,
+                attention_mask=None,
+                position_ids=position_ids,
+                position_embeddings=cos_sin,
+            )
         out = out[0] if isinstance(out, tuple) else out
         return out[0]
 
@@ -106,20 +129,29 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         for f in files:
             weights.update(load_file(str(f)))
     elif (path / "pytorch_model.bin").is_file():
-        weights = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        weights = torch.load(
+            path / "pytorch_model.bin", map_location="cpu", weights_only=True
+        )
     else:
-        raise ValueError(f"EAGLE head {str(path)!r}: no weights (*.safetensors or pytorch_model.bin)")
+        raise ValueError(
+            f"EAGLE head {str(path)!r}: no weights (*.safetensors or pytorch_model.bin)"
+        )
     return {k.removeprefix("model."): v for k, v in weights.items()}
 
 
 def load_eagle_head(
-    path: str | Path, target_hidden_size: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+    path: str | Path,
+    target_hidden_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
 ) -> EagleHead:
     """Load the head at ``path`` for a target of ``target_hidden_size``; ``ValueError`` names what is wrong."""
     path = Path(path).expanduser()
     where = f"EAGLE head {str(path)!r}"
     if not (path / "config.json").is_file():
-        raise ValueError(f"{where}: expected a folder with config.json and the head's weights")
+        raise ValueError(
+            f"{where}: expected a folder with config.json and the head's weights"
+        )
     raw = json.loads((path / "config.json").read_text())
     archs = raw.get("architectures") or []
     if archs and not set(archs) & EAGLE_ARCHITECTURES:
@@ -128,24 +160,36 @@ def load_eagle_head(
     config = AutoConfig.from_pretrained(path)
     layer_cls, rotary_cls = _layer_classes(getattr(config, "model_type", ""))
     if int(config.hidden_size) != target_hidden_size:
-        raise ValueError(f"{where}: hidden_size {config.hidden_size} differs from the target's {target_hidden_size}")
+        raise ValueError(
+            f"{where}: hidden_size {config.hidden_size} differs from the target's {target_hidden_size}"
+        )
     weights = _read_weights(path)
     fc_w = weights.get("fc.weight")
     hidden = target_hidden_size
     if fc_w is None or tuple(fc_w.shape) != (hidden, 2 * hidden):
         got = None if fc_w is None else tuple(fc_w.shape)
-        raise ValueError(f"{where}: expected weight 'fc.weight' of shape {(hidden, 2 * hidden)}, got {got}")
+        raise ValueError(
+            f"{where}: expected weight 'fc.weight' of shape {(hidden, 2 * hidden)}, got {got}"
+        )
     config._attn_implementation = ATTN_IMPL
     fc = torch.nn.Linear(2 * hidden, hidden, bias="fc.bias" in weights)
     layer = layer_cls(config, layer_idx=0)
-    layer_sd = {k.removeprefix("layers.0."): v for k, v in weights.items() if k.startswith("layers.0.")}
+    layer_sd = {
+        k.removeprefix("layers.0."): v
+        for k, v in weights.items()
+        if k.startswith("layers.0.")
+    }
     if "input_layernorm.weight" not in layer_sd:
-        layer.input_layernorm = torch.nn.Identity()  # EAGLE-1: fc's output goes to attention unnormalized
+        layer.input_layernorm = (
+            torch.nn.Identity()
+        )  # EAGLE-1: fc's output goes to attention unnormalized
     missing, unexpected = layer.load_state_dict(layer_sd, strict=False)
     missing = [k for k in missing if not k.startswith("input_layernorm")]
     if missing or unexpected:
         raise ValueError(f"{where}: layers.0 weights do not match a {layer_cls.__name__}: "
                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")  # fmt: skip
-    fc.load_state_dict({k.removeprefix("fc."): v for k, v in weights.items() if k.startswith("fc.")})
+    fc.load_state_dict(
+        {k.removeprefix("fc."): v for k, v in weights.items() if k.startswith("fc.")}
+    )
     head = EagleHead(config, fc, layer, rotary_cls(config=config))
     return head.to(device=device, dtype=dtype).eval()

@@ -39,8 +39,14 @@ def _text_config(cfg: dict) -> dict:
         for key in path:
             d = d.get(key) or {}
         if "hidden_size" in d and "num_attention_heads" in d:
-            return {"model_type": cfg.get("model_type"), **d} if "model_type" not in d else d
-    raise ValueError("write_tiny_eagle_head: no decoder config (hidden_size, num_attention_heads) in config.json")
+            return (
+                {"model_type": cfg.get("model_type"), **d}
+                if "model_type" not in d
+                else d
+            )
+    raise ValueError(
+        "write_tiny_eagle_head: no decoder config (hidden_size, num_attention_heads) in config.json"
+    )
 
 
 def _target_weights(target: Path) -> dict[str, torch.Tensor]:
@@ -51,17 +57,24 @@ def _target_weights(target: Path) -> dict[str, torch.Tensor]:
 
 
 def write_tiny_eagle_head(
-    target: str | Path, path: str | Path, seed: int = 0, mimic_target_layer: bool = False
+    target: str | Path,
+    path: str | Path,
+    seed: int = 0,
+    mimic_target_layer: bool = False,
 ) -> Path:
     """Write an EAGLE-1 head for the tiny checkpoint at ``target`` into ``path``; return ``path``."""
     target, path = Path(target), Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = _text_config(json.loads((target / "config.json").read_text()))
     model_type = cfg["model_type"]
-    if model_type.startswith("qwen2"):  # the text stack of Qwen2.5-VL / the Omni thinker is Qwen2's
+    if model_type.startswith(
+        "qwen2"
+    ):  # the text stack of Qwen2.5-VL / the Omni thinker is Qwen2's
         model_type = "qwen2"
     if mimic_target_layer:
-        head_type = model_type  # the copied layer keeps its own class (q/k norms, biases)
+        head_type = (
+            model_type  # the copied layer keeps its own class (q/k norms, biases)
+        )
     else:
         head_type = "qwen2" if model_type == "qwen2" else "llama"
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -69,12 +82,19 @@ def write_tiny_eagle_head(
             "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act")  # fmt: skip
     config = {k: cfg[k] for k in keep if k in cfg}
     rope = config.get("rope_parameters") or {}
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 10000.0))}
+    config["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+    }
     if head_type != model_type:
-        config.pop("head_dim", None)  # a Llama head over a Qwen3 target: the plain hidden / heads split
+        config.pop(
+            "head_dim", None
+        )  # a Llama head over a Qwen3 target: the plain hidden / heads split
     config.update(
         model_type=head_type,
-        architectures=[_ARCH.get(head_type, f"Eagle{head_type.capitalize()}ForCausalLM")],
+        architectures=[
+            _ARCH.get(head_type, f"Eagle{head_type.capitalize()}ForCausalLM")
+        ],
         num_hidden_layers=1,
         torch_dtype="float32",
     )
@@ -82,7 +102,11 @@ def write_tiny_eagle_head(
     if mimic_target_layer:
         tw = _target_weights(target)
         prefix = "model.layers.0."
-        weights = {"layers.0." + k[len(prefix) :]: v.clone() for k, v in tw.items() if k.startswith(prefix)}
+        weights = {
+            "layers.0." + k[len(prefix) :]: v.clone()
+            for k, v in tw.items()
+            if k.startswith(prefix)
+        }
         fc = torch.zeros(hidden, 2 * hidden)
         fc[:, :hidden] = torch.eye(hidden)
         weights["fc.weight"] = fc
@@ -103,7 +127,11 @@ def _random_head(config: dict, head_type: str, seed: int) -> dict[str, torch.Ten
     inter = int(config["intermediate_size"])
 
     def w(*shape: int) -> torch.Tensor:
-        return 0.25 * torch.randn(*shape, generator=gen) / max(1.0, (shape[-1] / 64) ** 0.5)
+        return (
+            0.25
+            * torch.randn(*shape, generator=gen)
+            / max(1.0, (shape[-1] / 64) ** 0.5)
+        )
 
     p = "layers.0."
     out = {
@@ -115,9 +143,12 @@ def _random_head(config: dict, head_type: str, seed: int) -> dict[str, torch.Ten
         p + "mlp.gate_proj.weight": w(inter, hidden),
         p + "mlp.up_proj.weight": w(inter, hidden),
         p + "mlp.down_proj.weight": w(hidden, inter),
-        p + "post_attention_layernorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        p + "post_attention_layernorm.weight": 1.0
+        + 0.1 * torch.randn(hidden, generator=gen),
     }
     if head_type == "qwen2":
         for name, n in (("q", heads), ("k", kv), ("v", kv)):
-            out[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(n * head_dim, generator=gen)
+            out[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(
+                n * head_dim, generator=gen
+            )
     return out

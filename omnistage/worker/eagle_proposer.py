@@ -35,7 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.attention.paged_attention import allocate_kv_caches, build_attention_metadata
+from omnistage.attention.paged_attention import (
+    allocate_kv_caches,
+    build_attention_metadata,
+)
 from omnistage.worker.input_batch import BatchStep, InputBatch
 
 __all__ = ["EagleProposer"]
@@ -60,7 +63,13 @@ class EagleProposer:
     """An ``EagleHead`` with its paged KV, driven from the model runner's steps."""
 
     def __init__(
-        self, head: Any, target: Any, num_kv_blocks: int, block_size: int, max_model_len: int, device: torch.device
+        self,
+        head: Any,
+        target: Any,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
     ) -> None:
         self.head = head
         self.target = target
@@ -68,7 +77,13 @@ class EagleProposer:
         self.max_model_len = max_model_len
         self.device = device
         self.kv_caches = allocate_kv_caches(
-            1, num_kv_blocks, block_size, head.num_kv_heads, head.head_dim, head.dtype, device
+            1,
+            num_kv_blocks,
+            block_size,
+            head.num_kv_heads,
+            head.head_dim,
+            head.dtype,
+            device,
         )
 
     @torch.inference_mode()
@@ -87,7 +102,9 @@ class EagleProposer:
         positions = step.positions[:n]
         pos_np = positions.cpu().numpy()
         token_rows = np.repeat(step.rows, step.num_scheduled_tokens)
-        next_ids = torch.from_numpy(batch.token_ids_cpu[token_rows, pos_np + 1]).to(self.device)
+        next_ids = torch.from_numpy(batch.token_ids_cpu[token_rows, pos_np + 1]).to(
+            self.device
+        )
         embeds = self._embed_next(step, next_ids, model_state)
         md = build_attention_metadata(step, self.block_size)
         out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches)
@@ -113,17 +130,27 @@ class EagleProposer:
             keep = (
                 (budget[active] > j)
                 & (pos[active] < self.max_model_len)
-                & (pos[active] // self.block_size < table.num_blocks_per_row[rows[active]])
+                & (
+                    pos[active] // self.block_size
+                    < table.num_blocks_per_row[rows[active]]
+                )
             )
-            hidden, tokens = hidden[torch.from_numpy(keep)], tokens[torch.from_numpy(keep)]
+            hidden, tokens = (
+                hidden[torch.from_numpy(keep)],
+                tokens[torch.from_numpy(keep)],
+            )
             active = active[keep]
             if not len(active):
                 break
             p = pos[active]
-            dstep = self._decode_step([req_ids[a] for a in active], rows[active], p, table, tokens)
+            dstep = self._decode_step(
+                [req_ids[a] for a in active], rows[active], p, table, tokens
+            )
             md = build_attention_metadata(dstep, self.block_size)
             embeds = self.target.embed_input_ids(tokens)
-            hidden = self.head(embeds, hidden, torch.from_numpy(p).to(self.device), md, self.kv_caches)
+            hidden = self.head(
+                embeds, hidden, torch.from_numpy(p).to(self.device), md, self.kv_caches
+            )
             tokens = self._argmax(hidden)
             for a, t in zip(active.tolist(), tokens.tolist()):
                 drafts[req_ids[a]].append(t)
@@ -136,22 +163,33 @@ class EagleProposer:
             return greedy(hidden)
         return self.target.compute_logits(hidden).argmax(-1)
 
-    def _embed_next(self, step: BatchStep, next_ids: torch.Tensor, model_state: Any | None) -> torch.Tensor:
+    def _embed_next(
+        self, step: BatchStep, next_ids: torch.Tensor, model_state: Any | None
+    ) -> torch.Tensor:
         """Input embeddings of each position's next token; encoder rows one position ahead."""
         if model_state is not None and model_state.encoder_runner is not None:
             rows, mask = model_state.gather_mm_embeddings(step, draft_lookahead=1)
             if rows:
-                return model_state.encoder_runner.get_inputs_embeds(next_ids, rows, mask)
+                return model_state.encoder_runner.get_inputs_embeds(
+                    next_ids, rows, mask
+                )
         return self.target.embed_input_ids(next_ids)
 
     def _decode_step(
-        self, req_ids: list[str], rows: np.ndarray, positions: np.ndarray, table: Any, tokens: torch.Tensor
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        positions: np.ndarray,
+        table: Any,
+        tokens: torch.Tensor,
     ) -> _DraftStep:
         r = len(req_ids)
         slots = table.compute_slot_mapping(rows, positions)
         seq_lens = positions + 1
         max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_table = table.block_table.cpu[torch.from_numpy(rows), :max_blocks].to(self.device)
+        block_table = table.block_table.cpu[torch.from_numpy(rows), :max_blocks].to(
+            self.device
+        )
         return _DraftStep(
             req_ids=req_ids,
             num_scheduled_tokens=np.ones(r, dtype=np.int64),

@@ -39,7 +39,9 @@ def _bigram(path: Path) -> None:
     for f in path.glob("*.safetensors"):
         sd = load_file(f)
         for k, v in sd.items():
-            if k.endswith("o_proj.weight") or (k.endswith("down_proj.weight") and ".layers.0." not in k):
+            if k.endswith("o_proj.weight") or (
+                k.endswith("down_proj.weight") and ".layers.0." not in k
+            ):
                 sd[k] = torch.zeros_like(v)
             elif k == "model.norm.weight":
                 sd[k] = torch.ones_like(v)
@@ -59,7 +61,9 @@ def targets(tmp_path_factory):
             path = Path(write_tiny_checkpoint(arch, root / "target"))
             if kind == "accepting":
                 _bigram(path)
-            head = write_tiny_eagle_head(path, root / "head", mimic_target_layer=kind == "accepting")
+            head = write_tiny_eagle_head(
+                path, root / "head", mimic_target_layer=kind == "accepting"
+            )
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             cache[arch, kind] = (load_model(str(path)), str(head), hf)
         return cache[arch, kind]
@@ -86,24 +90,44 @@ def _drain_and_check_clean(engine) -> None:
 
 
 def test_config_and_head_errors_name_the_problem(targets, tmp_path):
-    cfg = SpeculativeConfig.from_dict({"method": "eagle", "model": "/x", "num_speculative_tokens": 2})
-    assert (cfg.method, cfg.model, cfg.num_speculative_tokens, cfg.uses_drafter) == ("eagle", "/x", 2, True)
-    assert not SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}).uses_drafter
+    cfg = SpeculativeConfig.from_dict(
+        {"method": "eagle", "model": "/x", "num_speculative_tokens": 2}
+    )
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens, cfg.uses_drafter) == (
+        "eagle",
+        "/x",
+        2,
+        True,
+    )
+    assert not SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 2}
+    ).uses_drafter
     with pytest.raises(ValueError, match="'model' .* is required"):
         SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="unknown key 'prompt_lookup_max' for method 'eagle'"):
+    with pytest.raises(
+        ValueError, match="unknown key 'prompt_lookup_max' for method 'eagle'"
+    ):
         SpeculativeConfig.from_dict({"method": "eagle", "model": "/x", "num_speculative_tokens": 2,
                                      "prompt_lookup_max": 3})  # fmt: skip
     with pytest.raises(ValueError, match="'eagle3' is not supported yet"):
-        SpeculativeConfig.from_dict({"method": "eagle3", "model": "/x", "num_speculative_tokens": 2})
-    assert EngineArgs(speculative_config=_eagle("/x")).speculative_config["method"] == "eagle"
+        SpeculativeConfig.from_dict(
+            {"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}
+        )
+    assert (
+        EngineArgs(speculative_config=_eagle("/x")).speculative_config["method"]
+        == "eagle"
+    )
     loaded, head, _ = targets("llama", "random")
     with pytest.raises(ValueError, match="EAGLE head .*config.json"):
         make_engine(loaded, speculative_config=_eagle(str(tmp_path)))
     # A head for another width: refused naming both sizes.
     other = tmp_path / "wide"
     other.mkdir()
-    text = (Path(head) / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 96')
+    text = (
+        (Path(head) / "config.json")
+        .read_text()
+        .replace('"hidden_size": 64', '"hidden_size": 96')
+    )
     (other / "config.json").write_text(text)
     with pytest.raises(ValueError, match="hidden_size 96 differs from the target's 64"):
         make_engine(loaded, speculative_config=_eagle(str(other)))
@@ -124,7 +148,9 @@ def test_greedy_equals_speculation_off_and_hf(arch, kind, targets):
     """A mixed batch (prefills beside speculating decodes), then one prompt
     alone; for the accepting head also in far fewer steps."""
     loaded, head, hf = targets(arch, kind)
-    refs = [hf_greedy(hf, loaded.tokenizer.encode(p), GREEDY.max_tokens) for p in PROMPTS]
+    refs = [
+        hf_greedy(hf, loaded.tokenizer.encode(p), GREEDY.max_tokens) for p in PROMPTS
+    ]
     off = make_engine(loaded)
     on = make_engine(loaded, speculative_config=_eagle(head))
     assert _tokens(run_all(off, PROMPTS, GREEDY)) == refs
@@ -152,7 +178,14 @@ def test_batch_of_sixteen_chunked_by_eight_with_prefix_hits(kind, targets):
         first = run_all(engine, BATCH16, GREEDY, prefix="a")
         second = run_all(engine, BATCH16, GREEDY, prefix="b")
         hits = [o.num_cached_tokens for o in second]
-        results.append((_tokens(first), _tokens(second), hits, engine.get_stats().prefix_cache_hit_tokens))
+        results.append(
+            (
+                _tokens(first),
+                _tokens(second),
+                hits,
+                engine.get_stats().prefix_cache_hit_tokens,
+            )
+        )
         _drain_and_check_clean(engine)
     assert results[0] == results[1]
     assert sum(results[1][2]) > 0
@@ -180,7 +213,9 @@ def test_stops_and_length_inside_an_accepted_run(max_tokens, targets):
     assert _tokens(run_all(engine, [prompt], params)) == [long[:max_tokens]]
     stop = long[max_tokens]
     first = long.index(stop)
-    stopped = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop])
+    stopped = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop]
+    )
     out = run_all(engine, [prompt], stopped, prefix="stop-")[0].outputs[0]
     assert out.token_ids == long[: first + 1] and out.finish_reason == "stop"
     assert engine.get_stats().num_accepted_tokens > 0
@@ -192,7 +227,9 @@ def test_seeded_sampling_repeats_and_aborts_hold_nothing(targets):
     by the rejection sampler): a seeded request gives the same tokens twice."""
     loaded, head, _ = targets("qwen3", "accepting")
     engine = make_engine(loaded, speculative_config=_eagle(head))
-    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(
+        temperature=0.8, top_k=20, seed=7, max_tokens=16, ignore_eos=True
+    )
     a = _tokens(run_all(engine, PROMPTS, sampled, prefix="a"))
     b = _tokens(run_all(engine, PROMPTS, sampled, prefix="b"))
     assert a == b and engine.get_stats().num_accepted_tokens > 0

@@ -26,12 +26,18 @@ K = 3
 CASES = {
     "vl": [
         (["image", "text"], lambda: {"image": image(0)}),
-        (["text", "image", "text", "image"], lambda: {"image": [image(1), image(2, 140, 140)]}),
+        (
+            ["text", "image", "text", "image"],
+            lambda: {"image": [image(1), image(2, 140, 140)]},
+        ),
         (["video", "text"], lambda: {"video": video(0)}),
     ],
     "omni": [
         (["audio", "text"], lambda: {"audio": clip(0, 1.3)}),
-        (["image", "audio", "text"], lambda: {"image": image(1), "audio": clip(1, 2.0)}),
+        (
+            ["image", "audio", "text"],
+            lambda: {"image": image(1), "audio": clip(1, 2.0)},
+        ),
     ],
 }
 TEXT = "a plain text request in the same batch"
@@ -46,7 +52,9 @@ class Target:
         self.kind = kind
 
     def prompts(self) -> list:
-        return [chat_prompt(self.proc, parts, data()) for parts, data in CASES[self.kind]] + [TEXT]
+        return [
+            chat_prompt(self.proc, parts, data()) for parts, data in CASES[self.kind]
+        ] + [TEXT]
 
     def eagle(self, k: int = K) -> dict:
         return {"method": "eagle", "model": self.head, "num_speculative_tokens": k}
@@ -125,8 +133,12 @@ def test_image_at_a_step_boundary_is_encoded_early_when_the_budget_allows(target
                              speculative_config=spec)  # fmt: skip
         seen = _spy_schedule(engine)
         outs.append(_tokens(run_all(engine, [prompt], GREEDY)))
-        first_encode = next(i for i, so in enumerate(seen) if so.scheduled_encoder_inputs)
-        assert seen[0].num_scheduled_tokens == {"0": offset}  # the first window ends at the image
+        first_encode = next(
+            i for i, so in enumerate(seen) if so.scheduled_encoder_inputs
+        )
+        assert seen[0].num_scheduled_tokens == {
+            "0": offset
+        }  # the first window ends at the image
         assert first_encode == (0 if spec else 1)
         _drain_and_check_clean(engine)
     assert outs[0] == outs[1]
@@ -152,14 +164,24 @@ def test_encoder_cache_of_one_item_never_stalls_on_the_look_ahead(kind, targets)
     prompts = t.prompts()
     engine_off = make_engine(t.loaded, block_size=4, max_num_batched_tokens=8)
     biggest = max(
-        f.mm_position.get_num_embeds() for p in prompts[:-1] for f in engine_off.process_inputs("x", p).mm_features
+        f.mm_position.get_num_embeds()
+        for p in prompts[:-1]
+        for f in engine_off.process_inputs("x", p).mm_features
     )
     kwargs = {"block_size": 4, "max_num_batched_tokens": 8}
-    ref = _tokens(run_all(_one_item_cache(make_engine(t.loaded, **kwargs), biggest), prompts, GREEDY))
-    engine = _one_item_cache(make_engine(t.loaded, speculative_config=t.eagle(), **kwargs), biggest)
+    ref = _tokens(
+        run_all(
+            _one_item_cache(make_engine(t.loaded, **kwargs), biggest), prompts, GREEDY
+        )
+    )
+    engine = _one_item_cache(
+        make_engine(t.loaded, speculative_config=t.eagle(), **kwargs), biggest
+    )
     seen = _spy_schedule(engine)
     assert _tokens(run_all(engine, prompts, GREEDY)) == ref
-    assert all(so.total_num_scheduled_tokens > 0 for so in seen[:-1])  # progress every step
+    assert all(
+        so.total_num_scheduled_tokens > 0 for so in seen[:-1]
+    )  # progress every step
     _drain_and_check_clean(engine)
 
 
@@ -168,7 +190,12 @@ def test_preemption_and_batch_of_sixteen(targets):
     requests are preempted mid-prompt and resumed; tokens equal speculation off."""
     t = targets["vl"]
     prompts = (t.prompts() * 4)[:16]
-    kwargs = {"block_size": 4, "num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_num_seqs": 16}
+    kwargs = {
+        "block_size": 4,
+        "num_kv_blocks": 64,
+        "max_num_batched_tokens": 32,
+        "max_num_seqs": 16,
+    }
     ref = _tokens(run_all(make_engine(t.loaded, **kwargs), prompts, GREEDY))
     engine = make_engine(t.loaded, speculative_config=t.eagle(), **kwargs)
     assert _tokens(run_all(engine, prompts, GREEDY)) == ref
@@ -178,7 +205,9 @@ def test_preemption_and_batch_of_sixteen(targets):
 
 def test_abort_mid_item_holds_nothing(targets):
     t = targets["omni"]
-    engine = make_engine(t.loaded, block_size=4, max_num_batched_tokens=8, speculative_config=t.eagle())
+    engine = make_engine(
+        t.loaded, block_size=4, max_num_batched_tokens=8, speculative_config=t.eagle()
+    )
     for i, p in enumerate(t.prompts()):
         engine.add_request(f"r{i}", p, GREEDY)
     for _ in range(4):
