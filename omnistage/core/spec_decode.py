@@ -17,7 +17,6 @@ sampling) is the worker's (``worker/rejection_sampler.py``).
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
