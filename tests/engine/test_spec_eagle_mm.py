@@ -83,7 +83,6 @@ def _drain_and_check_clean(engine) -> None:
 SHAPES = {
     "whole": {},
     "chunk8": {"max_num_batched_tokens": 8},  # splits every item
-    "chunk8-no-prefix": {"max_num_batched_tokens": 8, "enable_prefix_caching": False},
 }
 
 
