@@ -239,3 +239,20 @@ def test_seeded_sampling_repeats_and_aborts_hold_nothing(targets):
         engine.step()
     engine.abort_request([f"abort{i}" for i in range(len(PROMPTS))])
     _drain_and_check_clean(engine)
+
+
+@pytest.mark.slow
+def test_embedded_default_model_with_a_random_head(tmp_path):
+    """The embedded default (SmolLM2-135M, a Llama) with a random head of its
+    width: greedy chat answers equal speculation off, mixed batch and chunked."""
+    loaded = load_model(None)
+    head = str(write_tiny_eagle_head(loaded.model_path, tmp_path / "head"))
+    off = make_engine(loaded, block_size=16, max_model_len=512)
+    prompts = [off.encode_chat([{"role": "user", "content": q}]) for q in ("What is the capital of France?", "Hi!")]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref = _tokens(run_all(off, prompts, params))
+    for kwargs in ({}, {"max_num_batched_tokens": 8}):
+        on = make_engine(loaded, block_size=16, max_model_len=512, speculative_config=_eagle(head), **kwargs)
+        assert _tokens(run_all(on, prompts, params)) == ref
+        assert on.get_stats().num_draft_tokens > 0
+        _drain_and_check_clean(on)
