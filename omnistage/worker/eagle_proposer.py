@@ -109,10 +109,8 @@ class EagleProposer:
         md = build_attention_metadata(step, self.block_size)
         out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches)
 
-        chosen = [
-            i for i, r in enumerate(step.req_ids)
-            if wanted.get(r, 0) > 0 and int(step.seq_lens[i]) + 1 == int(batch.num_tokens[step.rows[i]])
-        ]  # fmt: skip
+        sampled = set(step.sampling_req_ids)
+        chosen = [i for i, r in enumerate(step.req_ids) if wanted.get(r, 0) > 0 and r in sampled]
         if not chosen:
             return {}
         last = torch.from_numpy(step.query_start_loc[1:][chosen] - 1).to(self.device)

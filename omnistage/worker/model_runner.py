@@ -282,7 +282,8 @@ class ModelRunner:
         new_qsl = np.zeros_like(qsl)
         np.cumsum(n, out=new_qsl[1:])
         seq_lens = step.num_computed_tokens + n
-        samples = seq_lens + 1 == self.input_batch.num_tokens[step.rows]
+        sampled = set(step.sampling_req_ids)
+        samples = np.fromiter((r in sampled for r in step.req_ids), dtype=bool, count=len(step.req_ids))
         verified = dataclasses.replace(
             step,
             num_scheduled_tokens=n,
