@@ -110,7 +110,11 @@ class EagleProposer:
         out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches)
 
         sampled = set(step.sampling_req_ids)
-        chosen = [i for i, r in enumerate(step.req_ids) if wanted.get(r, 0) > 0 and r in sampled]
+        chosen = [
+            i
+            for i, r in enumerate(step.req_ids)
+            if wanted.get(r, 0) > 0 and r in sampled
+        ]
         if not chosen:
             return {}
         last = torch.from_numpy(step.query_start_loc[1:][chosen] - 1).to(self.device)
@@ -133,10 +137,8 @@ class EagleProposer:
                     < table.num_blocks_per_row[rows[active]]
                 )
             )
-            hidden, tokens = (
-                hidden[torch.from_numpy(keep)],
-                tokens[torch.from_numpy(keep)],
-            )
+            mask = torch.from_numpy(keep).to(self.device)
+            hidden, tokens = hidden[mask], tokens[mask]
             active = active[keep]
             if not len(active):
                 break
