@@ -75,6 +75,12 @@ class Scheduler:
     are appended like sampled tokens, one by one through the stop checks, and
     ``num_computed_tokens`` is rolled back past the rejected ones, so the next
     step overwrites their KV slots and only verified blocks are ever cached.
+    With a worker-side drafter (``eagle``) the drafts are the ones the worker
+    proposed after the request's last step (``draft_token_requests`` asks for
+    them, for the requests that sample), and the request's allocation also
+    covers, when the pool has it free, the ``k - 1`` slots the drafter writes
+    past the last verified token; its encoder plan looks one position ahead
+    (see ``EncoderScheduler``).
 
     Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
     window may shrink to stop before an item that cannot be encoded this
