@@ -119,6 +119,22 @@ def _spy_schedule(engine) -> list:
     return outs
 
 
+def _spy_gather(engine) -> list[tuple[int, int]]:
+    """(draft_lookahead, encoder rows gathered) of every gather, target and drafter."""
+    calls = []
+    runner = engine.runner.model_state.encoder_runner
+    gather = runner.gather_mm_embeddings
+
+    def spy(*args, **kwargs):
+        rows, mask = gather(*args, **kwargs)
+        lookahead = kwargs.get("draft_lookahead", args[6] if len(args) > 6 else 0)
+        calls.append((lookahead, int(mask.sum())))
+        return rows, mask
+
+    runner.gather_mm_embeddings = spy
+    return calls
+
+
 def test_image_at_a_step_boundary_is_encoded_early_when_the_budget_allows(targets):
     """A window that ends exactly where an image starts: with the head, the
     image is encoded in that step (its first row is the drafter's input at the
@@ -131,14 +147,18 @@ def test_image_at_a_step_boundary_is_encoded_early_when_the_budget_allows(target
         engine = make_engine(t.loaded, block_size=4, max_num_batched_tokens=offset, enable_prefix_caching=False,
                              speculative_config=spec)  # fmt: skip
         seen = _spy_schedule(engine)
+        gathers = _spy_gather(engine)
         outs.append(_tokens(run_all(engine, [prompt], GREEDY)))
-        first_encode = next(
-            i for i, so in enumerate(seen) if so.scheduled_encoder_inputs
-        )
+        encodes = [i for i, so in enumerate(seen) if so.scheduled_encoder_inputs]
         assert seen[0].num_scheduled_tokens == {
             "0": offset
-        }  # the first window ends at the image
-        assert first_encode == (0 if spec else 1)
+        }  # window 0 ends at the image
+        assert encodes[0] == (0 if spec else 1)
+        # Step 0: the target's window holds no image row; the drafter's, one
+        # position ahead, holds the image's first.
+        assert gathers[0] == (0, 0)
+        if spec:
+            assert gathers[1] == (1, 1)
         _drain_and_check_clean(engine)
     assert outs[0] == outs[1]
 
