@@ -59,6 +59,9 @@ class SchedulerOutput:
     # known token (its ``num_scheduled_tokens`` is 1 + len(drafts)); the worker
     # verifies them in this step's forward.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Worker-side drafter (EAGLE): req_id -> how many draft tokens to propose
+    # after this step's forward, for requests that sample a token this step.
+    draft_token_requests: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

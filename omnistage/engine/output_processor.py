@@ -127,9 +127,14 @@ class RequestState:
             out.multimodal_output.update(first.stage_outputs)
             if first.request.return_hidden_states:
                 rows = first.rows
-                out.multimodal_output["hidden_states"] = (
-                    torch.cat(rows) if len(rows) > 1 else rows[0] if rows else None
-                )
+                states = torch.cat(rows) if len(rows) > 1 else rows[0] if rows else None
+                # One row per forwarded token of the final sequence (its last token is never
+                # forwarded). Speculation can verify tokens past a stop in the same step:
+                # their rows go, like the tokens.
+                forwarded = len(self.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+                if states is not None and states.shape[0] > forwarded:
+                    states = states[:forwarded]
+                out.multimodal_output["hidden_states"] = states
         return out
 
 

@@ -30,7 +30,6 @@ from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import InputProcessor, ProcessedInputs, PromptType
 from omnistage.engine.output_processor import OutputProcessor
 from omnistage.engine.stage import StageHeld, StageSpec
-from omnistage.models.interface import tensor_cache_policy_of
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
@@ -136,6 +135,13 @@ class StageEngine:
             self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, mm_processor)
             self.input_modalities = self.input_processor.input_modalities
         prefix_caching = args.enable_prefix_caching and spec.enable_prefix_caching
+        speculative_config = self._speculative_config(args, loaded_model, spec, mm_processor)
+        drafter = None
+        if speculative_config is not None and speculative_config.uses_drafter:
+            from omnistage.models.eagle_head import load_eagle_head
+
+            assert speculative_config.model is not None
+            drafter = load_eagle_head(speculative_config.model, model.hidden_size, model.dtype, args.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -147,7 +153,7 @@ class StageEngine:
                 encoder_compute_budget=encoder_budget,
                 encoder_cache_size=encoder_cache_size,
                 retain_encoder_outputs=args.enable_encoder_cache,
-                speculative_config=self._speculative_config(args, loaded_model, spec, mm_processor),
+                speculative_config=speculative_config,
             )
         )
         self.runner = ModelRunner(
@@ -162,6 +168,7 @@ class StageEngine:
             # Only where a hit can happen: without KV prefix caching every token is
             # forwarded, and every row comes from the step itself.
             enable_tensor_cache=spec.enable_tensor_cache and prefix_caching,
+            drafter=drafter,
         )
 
     @staticmethod
@@ -170,21 +177,18 @@ class StageEngine:
     ) -> SpeculativeConfig | None:
         """``args.speculative_config`` for the scheduler, with the model's
         placeholder ids (never proposed); refused for stages whose model reads
-        more than token ids or hands per-token outputs on (not supported yet)."""
+        more than token ids (payload-driven stages such as the talker: not
+        supported yet). Stages that hand per-token outputs on (the thinker)
+        speculate: only verified tokens' rows are returned and cached."""
         if args.speculative_config is None:
             return None
         config = SpeculativeConfig.from_dict(args.speculative_config)
         model = loaded_model.model
-        stage_model = getattr(loaded_model, "mm_adapter", None) or model
-        if (
-            spec.input_processor is not None
-            or hasattr(model, "step_inputs")
-            or tensor_cache_policy_of(stage_model).caches_anything
-        ):
+        if spec.input_processor is not None or hasattr(model, "step_inputs"):
             name = spec.name or type(model).__name__
             raise ValueError(
-                f"speculative_config is not supported yet for the {name!r} stage: it reads a payload or hands "
-                "per-token outputs to a later stage; speculation runs on text and vision-language models"
+                f"speculative_config is not supported yet for the {name!r} stage: its model reads a payload "
+                "beyond token ids; speculation runs on text, vision-language and omni thinker stages"
             )
         placeholders = getattr(mm_processor, "placeholder_ids", None) or {}
         return config.with_banned(placeholders.values())

@@ -14,6 +14,10 @@ writes), with fixed-seed random weights small enough for a CPU. Point
   ``write_tiny_qwen2_5_omni_thinker``.
 - :mod:`~omnistage.testing.tiny_omni_checkpoint`: the whole Qwen2.5-Omni
   model (thinker, talker, token2wav, speakers), ``write_tiny_qwen2_5_omni``.
+- :mod:`~omnistage.testing.tiny_eagle`: an EAGLE-1 draft head for any of
+  those targets, in the layout vLLM loads, ``write_tiny_eagle_head(target,
+  path)`` (random, or ``mimic_target_layer=True`` for one that copies the
+  target's first layer).
 - :mod:`~omnistage.testing.hf_reference`: run ``transformers`` as the
   reference: the keyword arguments of its forward / ``generate`` for a
   prompt omnistage processed, and what its Qwen2.5-Omni ``generate`` passes
@@ -42,6 +46,7 @@ from omnistage.testing.tiny_mm_checkpoints import (
     write_tiny_qwen2_5_omni_thinker,
     write_tiny_qwen2_5_vl,
 )
+from omnistage.testing.tiny_eagle import write_tiny_eagle_head
 from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 
 __all__ = [
@@ -49,6 +54,7 @@ __all__ = [
     "TINY_ARCHS",
     "build_tiny_tokenizer",
     "write_tiny_checkpoint",
+    "write_tiny_eagle_head",
     "write_tiny_qwen2_5_omni",
     "write_tiny_qwen2_5_omni_thinker",
     "write_tiny_qwen2_5_vl",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from omnistage.models.interface import tensor_cache_policy_of
 from omnistage.worker.input_batch import BatchStep, InputBatch
 from omnistage.worker.mm.encoder_cache import EncoderCache
 from omnistage.worker.model_state import ModelState
+from omnistage.worker.eagle_proposer import EagleProposer
 from omnistage.worker.rejection_sampler import RejectionSampler
 from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingState
 from omnistage.worker.tensor_prefix_cache import StepTensorCache
@@ -74,6 +76,7 @@ class ModelRunner:
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
         enable_tensor_cache: bool = True,
+        drafter: Any | None = None,
     ) -> None:
         self.model = loaded_model.model
         self.device = torch.device(device)
@@ -118,6 +121,11 @@ class ModelRunner:
         self.tensor_cache: StepTensorCache | None = None
         if enable_tensor_cache and policy.caches_anything:
             self.tensor_cache = StepTensorCache(policy, num_kv_blocks, block_size, m.hidden_size, m.dtype)
+        # Speculative decoding with a worker-side drafter (an EAGLE head): it runs after
+        # every target forward over the verified tokens and drafts for the next step.
+        self.proposer: EagleProposer | None = None
+        if drafter is not None:
+            self.proposer = EagleProposer(drafter, m, num_kv_blocks, block_size, max_model_len, self.device)
 
     # -- batch bookkeeping ----------------------------------------------------
 
@@ -235,8 +243,12 @@ class ModelRunner:
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, metadata, self.kv_caches, inputs_embeds=inputs.inputs_embeds
         )
-        rows = self._per_token_rows(step, hidden)
         out = self.sample(step, hidden) if not drafts else self._sample_with_drafts(step, hidden, drafts)
+        # From here on only verified tokens count: rejected drafts' rows never reach
+        # the tensor prefix cache, a later stage or the drafter.
+        if out.spec_sampled_token_ids:
+            step, hidden = self._verified(step, hidden, out.spec_sampled_token_ids)
+        rows = self._per_token_rows(step, hidden)
         if rows:
             out.hidden_states = rows
         cache = self.tensor_cache
@@ -246,8 +258,44 @@ class ModelRunner:
             deferred = self.stage_model.deferred_outputs(step, hidden, out)
             if deferred:
                 cache.stage_deferred(step, self.input_batch, deferred)
+        if self.proposer is not None:
+            out.draft_token_ids = self.proposer.propose(
+                step, hidden, self.input_batch, so.draft_token_requests, self.model_state
+            )
         out.failed_req_ids = dict(self._failed)
         return out
+
+    def _verified(
+        self, step: BatchStep, hidden: torch.Tensor, emitted: dict[str, list[int]]
+    ) -> tuple[BatchStep, torch.Tensor]:
+        """The step cut to its verified tokens: a speculating request keeps its
+        last known token and its accepted drafts (as many as it emitted
+        tokens), the others all their tokens; with the hidden rows to match."""
+        n = step.num_scheduled_tokens.copy()
+        for i, req_id in enumerate(step.req_ids):
+            tokens = emitted.get(req_id)
+            if tokens is not None:
+                n[i] = len(tokens)
+        qsl = step.query_start_loc
+        keep = np.concatenate([np.arange(qsl[i], qsl[i] + n[i]) for i in range(len(n))]) if len(n) else qsl[:0]
+        index = torch.from_numpy(keep).to(self.device)
+        new_qsl = np.zeros_like(qsl)
+        np.cumsum(n, out=new_qsl[1:])
+        seq_lens = step.num_computed_tokens + n
+        sampled = set(step.sampling_req_ids)
+        samples = np.fromiter((r in sampled for r in step.req_ids), dtype=bool, count=len(step.req_ids))
+        verified = dataclasses.replace(
+            step,
+            num_scheduled_tokens=n,
+            query_start_loc=new_qsl,
+            seq_lens=seq_lens,
+            num_tokens=int(new_qsl[-1]),
+            input_ids=step.input_ids.index_select(0, index),
+            positions=step.positions.index_select(0, index),
+            slot_mapping=step.slot_mapping.index_select(0, index),
+            logits_indices=torch.from_numpy(new_qsl[1:][samples] - 1).to(self.device),
+        )
+        return verified, hidden.index_select(0, index)
 
     def _prepare_step(self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]) -> BatchStep:
         """The packed batch; draft tokens are written after their requests'

@@ -120,6 +120,7 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
         kv_cache_memory_bytes=TALKER_KV_CACHE_BYTES,
         max_num_seqs=options.talker_max_num_seqs or args.max_num_seqs,
         max_model_len=max_len,
+        speculative_config=None,  # the thinker speculates; the talker's inputs are payloads
     )
     talker_model = LoadedModel(
         model=omni.paged_talker,  # type: ignore[arg-type]
