@@ -51,9 +51,13 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    # Omni checkpoints: the spoken answer.
+    # Omni checkpoints: the spoken answer (1-D float32), once complete.
     audio: object | None = None
     sample_rate: int | None = None
+    # The spoken answer so far, in the chunks the vocoder made (cumulative like
+    # the text: each output holds every chunk so far; ``audio`` is their
+    # concatenation once the request is finished). One chunk unless streamed.
+    audio_chunks: list | None = None
     extra: dict = field(default_factory=dict)
     # Set when the request failed inside the engine (its step raised); finish_reason is "error".
     error: str | None = None
