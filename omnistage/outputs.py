@@ -64,3 +64,21 @@ class RequestOutput:
     # What a pipeline stage hands to the next (vllm-omni's name): per-token
     # rows ("hidden_states"), a one-shot stage's outputs ("audio").
     multimodal_output: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamOutput:
+    """What ``LLM.generate_stream`` yields each time a request's answer grows.
+
+    ``output`` is the request's cumulative output so far (its text, and
+    ``audio_chunks`` for an omni checkpoint); ``new_audio_chunks`` are the
+    chunks that arrived with it, ready to play in order (1-D float32 at
+    ``output.sample_rate``); ``index`` is the prompt's position in the call."""
+
+    index: int
+    output: RequestOutput
+    new_audio_chunks: list = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
