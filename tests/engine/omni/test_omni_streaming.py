@@ -4,6 +4,7 @@ while the talker still speaks."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,10 @@ from omnistage import LLM
 from omnistage.core.chunk_schedule import ChunkSchedule
 from omnistage.models.chunked_vocoder import ChunkedVocoder, decode_in_chunks
 from omnistage.models.qwen2_5_omni import OmniModel
-from omnistage.models.qwen2_5_omni_token2wav import DiTStreamConfig, Qwen2_5OmniToken2Wav
+from omnistage.models.qwen2_5_omni_token2wav import (
+    DiTStreamConfig,
+    Qwen2_5OmniToken2Wav,
+)
 from omnistage.sampling_params import SamplingParams
 
 SPEAKER, SEED = "Chelsie", 3
@@ -49,7 +53,7 @@ def test_chunks_tile_the_codes_and_early_chunks_never_change(schedule: ChunkSche
             assert spans == []
             continue
         assert spans[0][0] == 0 and spans[-1][1] == n and all(s < e for s, e in spans)
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
         ready_before = 0
         for known in range(n + 1):  # the codes arrive one by one: a chunk decoded early is never the last
             ready = schedule.num_ready(known, False)
