@@ -334,7 +334,7 @@ class OmniPipeline:
             self._finish(out.request_id, pending.audio_chunks, done)
         else:
             running = _still_running(pending.output)
-            running.audio_chunks = list(pending.audio_chunks)
+            running.audio_chunks, running.sample_rate = list(pending.audio_chunks), self.sample_rate
             progress.append(running)
 
     def _fail(self, out: RequestOutput, pending: _Pending, done: list[RequestOutput]) -> None:
