@@ -23,12 +23,23 @@ measure is the best of its rounds: CPU time still varies with the memory
 traffic of other processes, and the least disturbed round is the best estimate
 of the cost. The tensor cache's memory is printed beside its KV pool.
 
-Run: ``python benchmarks/bench_omni.py`` (``--quick`` for a smaller run).
+(c) **Time to first audio, streamed vs not.** One spoken request whose talker
+    makes ``STREAM_CODES`` codes (its stop codes suppressed, so every round
+    speaks as long): ``generate_stream`` (token2wav on chunks while the talker
+    speaks) against ``generate`` (one whole decode once the talker is done).
+    CPU seconds from the call to the step that produced the first audio, and
+    to the last; median and range of the interleaved rounds, with the load
+    average. The tiny DiT's blocks are 4 mel frames (the published 24), so its
+    chunks are 6 codes instead of 36.
+
+Run: ``python benchmarks/bench_omni.py`` (``--quick`` for a smaller run;
+``--only streaming`` for (c) alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -58,7 +69,7 @@ def build(omni: OmniModel, caches: str, **kw: Any) -> LLM:
         num_kv_blocks=kw.pop("num_kv_blocks", 2048),
         max_num_seqs=16,
         talker_max_model_len=4200,
-        talker_params=dict(TALKER),
+        talker_params=kw.pop("talker_params", dict(TALKER)),
         enable_prefix_caching=caches != "none",
         enable_tensor_prefix_cache=caches == "all",
         **kw,
@@ -137,6 +148,55 @@ def multi_turn(omni: OmniModel, caches: str, convs: int, turns: int, system_len:
     }  # fmt: skip
 
 
+STREAM_CODES = 48  # codec frames per spoken answer in (c): 0.96 s of audio
+
+
+def first_audio(omni: OmniModel, stream: bool, seed: int) -> dict[str, float]:
+    """CPU seconds to the first and to the last audio of one spoken request."""
+    talker = omni.talker_module.config
+    stops = [talker.tts_codec_pad_token_id, talker.tts_codec_start_token_id, talker.tts_codec_end_token_id]
+    llm = build(omni, "all", talker_params={"temperature": 0.0, "max_tokens": STREAM_CODES, "suppress_token_ids": stops})
+    clock = CpuClock(llm)
+    prompt = np.random.default_rng(seed).integers(0, 256, 64).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    if stream:
+        first = last = None
+        for event in llm.generate_stream(prompt, params):
+            if event.new_audio_chunks and first is None:
+                first = clock.now
+            if event.finished:
+                last, out = clock.now, event.output
+    else:
+        (out,) = llm.generate(prompt, params, use_tqdm=False)
+        first = last = out.extra["cpu_done"]
+    assert len(out.extra["codec_token_ids"]) == STREAM_CODES and first is not None and last is not None
+    return {"first": first, "last": last, "chunks": float(len(out.audio_chunks))}
+
+
+def streaming_section(omni: OmniModel, rounds: int) -> None:
+    """(c): time to first audio, streamed vs not, interleaved rounds."""
+    first_audio(omni, True, seed=-1 % 2**32)  # warm up
+    samples: dict[str, list[dict[str, float]]] = {"streamed": [], "whole": []}
+    load_before = os.getloadavg()
+    for r in range(rounds):
+        order = ["streamed", "whole"] if r % 2 == 0 else ["whole", "streamed"]
+        for name in order:
+            samples[name].append(first_audio(omni, name == "streamed", seed=r))
+    load_after = os.getloadavg()
+    print(f"(c) time to first audio: 1 request, 64 prompt tokens, 16 text tokens, {STREAM_CODES} codes "
+          f"({STREAM_CODES * 0.02:.2f} s of audio); median [min, max] of {rounds} interleaved rounds, CPU seconds; "
+          f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}")  # fmt: skip
+    for key, label in (("first", "to first audio"), ("last", "to last audio")):
+        on, off = ([s[key] for s in samples[n]] for n in ("streamed", "whole"))
+        print(f"    {label:<16}: streamed {_spread(on)}, not streamed {_spread(off)}, "
+              f"streamed/not = {statistics.median(on) / statistics.median(off):.3f}")  # fmt: skip
+    print(f"    audio chunks: streamed {samples['streamed'][0]['chunks']:.0f}, not streamed {samples['whole'][0]['chunks']:.0f}")
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):6.3f} s [{min(values):.3f}, {max(values):.3f}]"
+
+
 def interleaved(rounds: int, runs: dict[str, Callable[[int], dict[str, float]]]) -> dict[str, dict[str, float]]:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for r in range(rounds):
@@ -151,11 +211,15 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="a Qwen2.5-Omni folder (default: write the tiny one)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", choices=["streaming"], help="run one section alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds = 3 if args.quick else 7
     path = args.checkpoint or write_tiny_qwen2_5_omni(tempfile.mkdtemp(prefix="bench_omni_"))
     omni = load_qwen2_5_omni(path)
+    if args.only == "streaming":
+        streaming_section(omni, rounds)
+        return
 
     # Warm up both paths once (first calls allocate and compile kernels).
     no_shared_prefixes(omni, "all", 2, 64, seed=-1 % 2**32)
@@ -197,6 +261,7 @@ def main() -> None:
     ratio = thinker.hidden_size / (2 * thinker.num_layers * thinker.num_kv_heads * thinker.head_dim)
     print(f"  rows / KV per slot = {thinker.hidden_size} / (2 x {thinker.num_layers} layers x "
           f"{thinker.num_kv_heads} KV heads x {thinker.head_dim}) = {ratio:.1%}; Qwen2.5-Omni-7B: 3584 / 28672 = 12.5%")
+    streaming_section(omni, rounds)
 
 
 def report(label: str, results: dict[str, dict[str, float]], key: str, target: float | None = None) -> None:

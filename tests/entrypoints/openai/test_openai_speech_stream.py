@@ -19,7 +19,11 @@ import openai
 import pytest
 
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.entrypoints.openai.api_server import ServerOptions, ServerThread, build_app
+from omnistage.entrypoints.openai.api_server import (
+    ServerOptions,
+    ServerThread,
+    build_app,
+)
 from omnistage.multimodal.media import streaming_wav_header
 from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 
