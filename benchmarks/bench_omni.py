@@ -32,8 +32,15 @@ of the cost. The tensor cache's memory is printed beside its KV pool.
     average. The tiny DiT's blocks are 4 mel frames (the published 24), so its
     chunks are 6 codes instead of 36.
 
+(d) **How the streamed audio differs from a whole decode** (Qwen2.5-Omni's
+    DiT is not causal): random codes of several lengths and seeds through
+    the authors' chunk schedule and through one whole decode; the max abs
+    difference and the SNR (whole decode as signal), on the tiny DiT's blocks
+    (4 frames) and with its blocks widened to the published 24 frames (the
+    same weights: the block size only masks attention).
+
 Run: ``python benchmarks/bench_omni.py`` (``--quick`` for a smaller run;
-``--only streaming`` for (c) alone).
+``--only streaming`` for (c) and (d) alone).
 """
 
 from __future__ import annotations
@@ -193,6 +200,40 @@ def streaming_section(omni: OmniModel, rounds: int) -> None:
     print(f"    audio chunks: streamed {samples['streamed'][0]['chunks']:.0f}, not streamed {samples['whole'][0]['chunks']:.0f}")
 
 
+def chunked_vs_whole(omni: OmniModel, lengths: tuple[int, ...], seeds: int) -> None:
+    """(d): max abs difference and SNR of the streamed decode against the whole one."""
+    import copy
+
+    from omnistage.models.chunked_vocoder import decode_in_chunks
+    from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
+
+    base = omni.token2wav
+    vocab = int(base.dit.config.num_embeds)
+    print("(d) streamed (authors' chunk schedule) vs whole decode, random codes; max |diff| and SNR, "
+          "worst over seeds")  # fmt: skip
+    for block in (int(base.dit.config.block_size), 24):
+        module = copy.deepcopy(base.token2wav)
+        module.code2wav_dit_model.config.block_size = block
+        module.code2wav_dit_model.block_size = block
+        token2wav = Qwen2_5OmniToken2Wav(module, base.speakers)
+        sched = token2wav.chunk_schedule(True)
+        print(f"    DiT block {block} frames: chunks of {sched.size} codes, {sched.lookahead} codes ahead, "
+              f"{token2wav.past_frames // 2} back, BigVGAN context {token2wav.vocoder_context} frames")  # fmt: skip
+        for n in lengths:
+            worst_abs, worst_snr, chunks = 0.0, float("inf"), 0
+            for seed in range(seeds):
+                codes = np.random.default_rng(seed).integers(0, vocab, n).tolist()
+                stream = decode_in_chunks(token2wav, codes, "Chelsie", seed)
+                whole = token2wav(codes, "Chelsie", seed=seed).astype(np.float64)
+                diff = np.concatenate(stream).astype(np.float64) - whole
+                assert diff.shape == whole.shape
+                err = float(np.sum(diff**2))
+                snr = float("inf") if err == 0 else 10 * np.log10(float(np.sum(whole**2)) / err)
+                worst_abs, worst_snr, chunks = max(worst_abs, float(np.abs(diff).max())), min(worst_snr, snr), len(stream)
+            print(f"      {n:4d} codes ({chunks} chunks): max |diff| {worst_abs:.2e}, SNR {worst_snr:6.1f} dB "
+                  f"(|whole| max ~{np.abs(whole).max():.2f})")  # fmt: skip
+
+
 def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):6.3f} s [{min(values):.3f}, {max(values):.3f}]"
 
@@ -219,6 +260,7 @@ def main() -> None:
     omni = load_qwen2_5_omni(path)
     if args.only == "streaming":
         streaming_section(omni, rounds)
+        chunked_vs_whole(omni, (12, 48, 150), seeds=2 if args.quick else 3)
         return
 
     # Warm up both paths once (first calls allocate and compile kernels).
@@ -262,6 +304,7 @@ def main() -> None:
     print(f"  rows / KV per slot = {thinker.hidden_size} / (2 x {thinker.num_layers} layers x "
           f"{thinker.num_kv_heads} KV heads x {thinker.head_dim}) = {ratio:.1%}; Qwen2.5-Omni-7B: 3584 / 28672 = 12.5%")
     streaming_section(omni, rounds)
+    chunked_vs_whole(omni, (12, 48, 150), seeds=2 if args.quick else 3)
 
 
 def report(label: str, results: dict[str, dict[str, float]], key: str, target: float | None = None) -> None:

@@ -162,3 +162,28 @@ def test_leaving_the_stream_aborts_the_request_in_the_vocoder(make_llm: Callable
     assert_nothing_held(llm)
     (again,) = [e.output for e in llm.generate_stream(PROMPT, SP) if e.finished]  # the engine serves on
     assert len(again.audio_chunks) >= 2
+
+
+def test_a_failing_chunk_fails_its_request_alone(make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second chunk's decode raises: the request ends with the error after its
+    first chunk left, every stage lets go of it, and the next stream is whole."""
+    llm = make_llm(talker_params=TWELVE_CODES)
+    token2wav = llm.llm_engine.stages["token2wav"].loaded_model.model
+    real = token2wav.decode_chunk
+
+    def decode_chunk(codes: Any, index: int, state: Any, last: bool) -> np.ndarray:
+        if index == 1:
+            raise RuntimeError("injected vocoder failure")
+        return real(codes, index, state, last)
+
+    monkeypatch.setattr(token2wav, "decode_chunk", decode_chunk)
+    got: list[int] = []
+    with pytest.raises(RuntimeError, match="injected vocoder failure"):
+        for event in llm.generate_stream(PROMPT, SP):
+            got += [c.shape[0] for c in event.new_audio_chunks]
+    assert len(got) == 1  # the first chunk had left
+    run_until_idle(llm)
+    assert_nothing_held(llm)
+    monkeypatch.setattr(token2wav, "decode_chunk", real)
+    (again,) = [e.output for e in llm.generate_stream(PROMPT, SP) if e.finished]
+    assert len(again.audio_chunks) >= 2 and again.audio.shape == (480 * 12,)
