@@ -160,13 +160,16 @@ def test_leaving_mid_audio_aborts_it_in_every_stage(
 
     monkeypatch.setattr(vocoder, "add_request", add_request)
     audio_seen = False
-    with httpx.Client(base_url=thread.base_url, timeout=30) as http:
-        with http.stream("POST", "/v1/chat/completions", json={**_request("pcm16"), "stream": True}) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: {") and any(c["delta"].get("audio") for c in json.loads(line[6:])["choices"]):
-                    audio_seen = True
-                    break  # leave with the talker still speaking
+    body = {**_request("pcm16"), "stream": True}
+    with (
+        httpx.Client(base_url=thread.base_url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and any(c["delta"].get("audio") for c in json.loads(line[6:])["choices"]):
+                audio_seen = True
+                break  # leave with the talker still speaking
     assert audio_seen and len(vocoded) == 1
     _assert_pipeline_empty(app)
     held = app.state.engine_client.call_sync(lambda e: e.held())
