@@ -22,6 +22,7 @@ from typing import Any
 from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.core.config import SchedulerConfig
 from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
+from omnistage.core.chunked_scheduler import ChunkedScheduler
 from omnistage.core.one_shot_scheduler import OneShotScheduler
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
@@ -34,6 +35,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
 from omnistage.worker.model_runner import ModelRunner
+from omnistage.worker.chunked_runner import ChunkedRunner
 from omnistage.worker.one_shot_runner import OneShotRunner
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType", "StageEngine"]
@@ -73,7 +75,8 @@ class StageEngine:
 
     An autoregressive stage runs the paged, prefix-cached ``Scheduler`` and
     the ``ModelRunner``; a one-shot stage (``StageSpec.kind``) the
-    ``OneShotScheduler`` and ``OneShotRunner``. A multimodal checkpoint
+    ``OneShotScheduler`` and ``OneShotRunner``; a chunked stage the
+    ``ChunkedScheduler`` and ``ChunkedRunner``. A multimodal checkpoint
     (Qwen2.5-VL, Qwen2.5-Omni thinker) also gets its ``MultiModalProcessor``
     (prompts with ``multi_modal_data``) and an encoder budget sized from the
     largest item the model accepts; ``input_modalities`` says what it takes.
@@ -99,11 +102,17 @@ class StageEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.eos_token_ids = list(getattr(loaded_model, "eos_token_ids", None) or [])
-        if spec.kind == "one_shot":
+        self.scheduler: Scheduler | OneShotScheduler | ChunkedScheduler
+        self.runner: ModelRunner | OneShotRunner | ChunkedRunner
+        if spec.kind in ("one_shot", "chunked"):
             self.vocab_size = self.max_model_len = self.num_kv_blocks = 0
             self.input_processor, self.input_modalities = spec.input_processor, frozenset()
-            self.scheduler: Scheduler | OneShotScheduler = OneShotScheduler(spec.max_requests_per_step)
-            self.runner: ModelRunner | OneShotRunner = OneShotRunner(loaded_model.model)
+            if spec.kind == "one_shot":
+                self.scheduler = OneShotScheduler(spec.max_requests_per_step)
+                self.runner = OneShotRunner(loaded_model.model)
+            else:
+                self.scheduler = ChunkedScheduler(spec.max_requests_per_step)
+                self.runner = ChunkedRunner(loaded_model.model)
         else:
             self._build_autoregressive(args, loaded_model, spec)
 
@@ -280,6 +289,14 @@ class StageEngine:
         if extra_eos and not params.ignore_eos:
             changes["stop_token_ids"] = list(params.stop_token_ids) + extra_eos
         return dataclasses.replace(params, **changes)
+
+    def extend_request(self, request_id: str, codes: list[int], final: bool) -> None:
+        """A chunked stage: a running request's inputs so far (they extend the
+        ones it was added with, or last extended with); ``final``: no more come.
+        Ids that ended (aborted) are ignored."""
+        if not isinstance(self.scheduler, ChunkedScheduler):
+            raise TypeError(f"stage {self.spec.name!r} is {self.spec.kind!r}; only a chunked stage takes more input")
+        self.scheduler.extend_request(request_id, codes, final)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (by the ids given to ``add_request``); unknown ids are ignored."""
