@@ -86,8 +86,8 @@ def run_conversations(engine, policy: str, tag: str, n_conv: int, n_turns: int, 
     engine.router.policy = policy
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rng = random.Random(tag)
-    histories = [[user(f"conversation {tag}-{c}: what is in this picture?", make_image(zlib.crc32(f"{tag}-{c}".encode()), size))]
-                 for c in range(n_conv)]  # fmt: skip
+    images = [make_image(zlib.crc32(f"{tag}-{c}".encode()), size) for c in range(n_conv)]
+    histories = [[user(f"conversation {tag}-{c}: what is in this picture?", images[c])] for c in range(n_conv)]
     before = engine.get_stats()
     ttfts: list[float] = []
     t0 = time.perf_counter()
@@ -119,8 +119,10 @@ def bench_routing(path: str, repeat: int, n_conv: int, n_turns: int, size: int) 
         for r in range(repeat):
             order = ["prefix", "round_robin"] if r % 2 == 0 else ["round_robin", "prefix"]
             for policy in order:
-                runs[policy].append(run_conversations(engine, policy, f"r{r}-{policy}", n_conv, n_turns, size))
-        prompt_tokens = len(engine.process_inputs("x", engine.encode_chat([user("q", make_image(0, size))])).prompt_token_ids)
+                run = run_conversations(engine, policy, f"r{r}-{policy}", n_conv, n_turns, size)
+                runs[policy].append(run)
+        first_turn = engine.encode_chat([user("q", make_image(0, size))])
+        prompt_tokens = len(engine.process_inputs("x", first_turn).prompt_token_ids)
     finally:
         engine.shutdown()
     print(f"[routing] 2 replicas, {n_conv} conversations x {n_turns} turns, {size}x{size} image in turn 1 "

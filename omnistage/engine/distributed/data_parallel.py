@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -42,7 +43,7 @@ from omnistage.engine.stage_engine import EngineStats
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaLoad"]
+__all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaLoad", "connect_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,41 @@ class _Replica:
     error: str | None = None
 
 
+def connect_ray() -> None:
+    """``ray.init()`` unless this process is connected already: the cluster
+    ``RAY_ADDRESS`` names, else a local instance.
+
+    A local instance's processes die with the thread that started them (Ray
+    sets PR_SET_PDEATHSIG, which Linux ties to the parent thread), and the
+    server builds its engine in a thread that ends on a rebuild; so off the
+    main thread Ray is started from a daemon thread that lives as long as the
+    process."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if threading.current_thread() is threading.main_thread():
+        ray.init(include_dashboard=False, log_to_driver=False)
+        return
+    started: list[BaseException | None] = []
+    done = threading.Event()
+
+    def keep() -> None:
+        try:
+            ray.init(include_dashboard=False, log_to_driver=False)
+            started.append(None)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            started.append(exc)
+        done.set()
+        if started[0] is None:
+            threading.Event().wait()  # hold the instance's processes for the life of the process
+
+    threading.Thread(target=keep, name="omnistage-ray", daemon=True).start()
+    done.wait()
+    if started[0] is not None:
+        raise started[0]
+
+
 class DataParallelEngine:
     """N engine replicas as Ray actors, one facade (module docstring)."""
 
@@ -98,15 +134,18 @@ class DataParallelEngine:
     ) -> None:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        connect_ray()
         self.args = args
         n = args.data_parallel_size
         resources = actor_options or ({"num_gpus": 1} if args.device.startswith("cuda") else {"num_cpus": 1})
         actor_cls = ray.remote(EngineReplica).options(**resources, max_restarts=0, max_concurrency=1)
         self._replicas = [_Replica(i, actor_cls.remote(args, options)) for i in range(n)]
-        self._front: EngineFront = ray.get(self._replicas[0].actor.front.remote())
-        ray.get([r.actor.pid.remote() for r in self._replicas[1:]])  # every replica built, or raise here
+        try:
+            self._front: EngineFront = ray.get(self._replicas[0].actor.front.remote())
+            ray.get([r.actor.pid.remote() for r in self._replicas[1:]])  # every replica built, or raise here
+        except ray.exceptions.RayError as exc:
+            self.shutdown()
+            raise RuntimeError(f"an engine replica of {args.model!r} failed to start: {exc}") from exc
         self.router = PrefixRouter(n, routing, max_imbalance=args.max_num_seqs)
         self._requests: dict[str, _Routed] = {}
         self._failed: list[RequestOutput] = []  # outputs of requests a dead replica took with it
@@ -237,8 +276,11 @@ class DataParallelEngine:
             replica.stepping = None
             try:
                 result: ReplicaStep = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
+            except ray.exceptions.RayActorError as exc:
                 self._replica_died(replica, exc)
+                continue
+            except ray.exceptions.RayTaskError as exc:  # the replica lives, its step raised past the engine
+                self._step_failed(replica, exc)
                 continue
             outputs += self._take(replica, result)
         outputs += self._failed  # requests a replica that died in this call took with it
@@ -260,6 +302,19 @@ class DataParallelEngine:
                 replica.requests.discard(out.request_id)
             outputs.append(out)
         return outputs
+
+    def _step_failed(self, replica: _Replica, exc: BaseException) -> None:
+        """Fail (and abort there) the requests of a replica whose step raised; it serves on."""
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        logger.error("engine replica %d: a step raised: %s", replica.index, exc)
+        lost = sorted(replica.requests)
+        replica.actor.abort_request.remote(lost)
+        replica.owes_step = True
+        for rid in lost:
+            routed = self._requests.pop(rid)
+            replica.requests.discard(rid)
+            error = f"request {rid!r}: engine replica {replica.index}'s step failed ({first})"
+            self._failed.append(failed_output(rid, routed.inputs, routed.params.n, error))
 
     def _replica_died(self, replica: _Replica, exc: BaseException) -> None:
         """Route around a dead replica: retry its requests that streamed nothing, fail the rest."""
@@ -291,7 +346,7 @@ class DataParallelEngine:
         for r, ref in zip(live, refs, strict=True):
             try:
                 results.append((r, ray.get(ref)))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
+            except ray.exceptions.RayActorError as exc:
                 self._replica_died(r, exc)
         return results
 
