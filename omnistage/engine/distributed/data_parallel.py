@@ -161,6 +161,7 @@ class DataParallelEngine:
         return SimpleNamespace(name=self._front.model_name)
 
     max_model_len = property(lambda self: self._front.max_model_len)
+    num_kv_blocks = property(lambda self: self._front.num_kv_blocks)  # per replica
     vocab_size = property(lambda self: self._front.vocab_size)
     input_modalities = property(lambda self: self._front.input_modalities)
     output_modalities = property(lambda self: self._front.output_modalities)

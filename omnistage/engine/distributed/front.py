@@ -23,6 +23,7 @@ class EngineFront:
     encoder_check: Any  # its scheduler's EncoderScheduler (None: the model takes no media)
     model_name: str
     block_size: int
+    num_kv_blocks: int  # per replica
     max_model_len: int
     vocab_size: int
     input_modalities: frozenset[str]
@@ -38,6 +39,7 @@ class EngineFront:
             encoder_check=getattr(stage.scheduler, "encoder", None),
             model_name=str(getattr(stage.loaded_model, "name", None) or stage.args.model or "default"),
             block_size=stage.args.block_size,
+            num_kv_blocks=stage.num_kv_blocks,
             max_model_len=stage.max_model_len,
             vocab_size=stage.vocab_size,
             input_modalities=frozenset(engine.input_modalities),

@@ -10,6 +10,7 @@ start-up is most of the time here. The kill test runs last on the omni one."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -138,9 +139,13 @@ def test_a_killed_replica_fails_only_its_requests(setups):
     single engine does; the survivor serves new requests and holds nothing."""
     s = setups("omni")
     engine = s.engine
+    # Long answers, so every request is still running when all have streamed
+    # (replicas step at their own pace: a short one could finish first).
+    long = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    refs = tokens(s.single.generate(s.prompts[:4], long, use_tqdm=False))
     ids = [f"x{i}" for i in range(4)]
     for rid, prompt in zip(ids, s.prompts):
-        engine.add_request(rid, prompt, GREEDY)
+        engine.add_request(rid, prompt, long)
     streamed: set[str] = set()
     outputs: dict[str, Any] = {}
     while streamed != set(ids):
@@ -149,7 +154,7 @@ def test_a_killed_replica_fails_only_its_requests(setups):
             if out.outputs[0].token_ids:
                 streamed.add(out.request_id)
     assert not any(o.finished for o in outputs.values()), "max_tokens leaves them running"
-    engine.add_request("late", s.prompts[0], GREEDY)
+    engine.add_request("late", s.prompts[0], long)
     victim = engine.replica_of("late")
     on_victim = {rid for rid in ids if engine.replica_of(rid) == victim}
     assert on_victim and on_victim != set(ids)
@@ -163,8 +168,8 @@ def test_a_killed_replica_fails_only_its_requests(setups):
             assert out.error is not None and f"engine replica {victim} died after it streamed tokens" in out.error
             assert out.outputs[0].finish_reason == "error"
         else:
-            assert out.error is None and out.outputs[0].token_ids == s.refs[i]
-    assert outputs["late"].error is None and outputs["late"].outputs[0].token_ids == s.refs[0]
+            assert out.error is None and out.outputs[0].token_ids == refs[i]
+    assert outputs["late"].error is None and outputs["late"].outputs[0].token_ids == refs[0]
     assert engine.num_live_replicas == 1
     again = s.llm.generate(s.prompts[1:3], GREEDY, use_tqdm=False)
     assert tokens(again) == s.refs[1:3]
@@ -173,8 +178,8 @@ def test_a_killed_replica_fails_only_its_requests(setups):
 
 
 def test_server_routes_around_the_dead_replica_and_reports_each(setups):
-    """After the kill above: /health is ok, a completion is served, /metrics
-    has each replica's load, the dead one down."""
+    """After the kill above: /health is ok, completions are served (a streamed
+    chat equal to the whole one), /metrics has each replica's load, the dead one down."""
     s = setups("omni")
     engine = s.engine
     dead = next(i for i in range(2) if engine.get_stats().replicas[i].alive is False)
@@ -184,6 +189,13 @@ def test_server_routes_around_the_dead_replica_and_reports_each(setups):
         body = {"model": s.path, "prompt": s.prompts[4], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
+        chat = {"model": s.path, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+        whole = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as stream:
+            chunks = [line for line in stream.iter_lines() if line.startswith("data: {")]
+        deltas = [json.loads(c[6:])["choices"][0]["delta"].get("content") or "" for c in chunks]
+        assert "".join(deltas) == whole and sum(bool(d) for d in deltas) >= 1
         text = http.get("/metrics").text
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
     assert samples[f'omnistage:replica_up{{replica="{dead}"}}'] == 0
