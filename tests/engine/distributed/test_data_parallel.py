@@ -132,6 +132,24 @@ def test_the_second_turn_goes_to_the_replica_holding_the_first(setups):
     assert_nothing_held(engine)
 
 
+def test_abort_releases_what_every_replica_holds(setups):
+    """Requests aborted mid-prefill and mid-decode on both replicas: no output
+    for them afterwards, nothing held anywhere, and the ids can be reused."""
+    s = setups("vl")
+    engine = s.engine
+    long = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    ids = [f"ab{i}" for i in range(4)]
+    for rid, prompt in zip(ids, s.prompts[:4], strict=True):
+        engine.add_request(rid, prompt, long)
+    assert {engine.replica_of(rid) for rid in ids} == {0, 1}
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(ids)
+    assert not {o.request_id for o in drain(engine)} & set(ids)
+    assert_nothing_held(engine)
+    assert tokens(s.llm.generate(s.prompts[:2], GREEDY, use_tqdm=False)) == s.refs[:2]
+
+
 def test_a_killed_replica_fails_only_its_requests(setups):
     """Four requests stream on two replicas; a fifth is routed but has streamed
     nothing when its replica is killed: that replica's streamed requests fail
@@ -144,7 +162,7 @@ def test_a_killed_replica_fails_only_its_requests(setups):
     long = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     refs = tokens(s.single.generate(s.prompts[:4], long, use_tqdm=False))
     ids = [f"x{i}" for i in range(4)]
-    for rid, prompt in zip(ids, s.prompts):
+    for rid, prompt in zip(ids, s.prompts[:4], strict=True):
         engine.add_request(rid, prompt, long)
     streamed: set[str] = set()
     outputs: dict[str, Any] = {}
