@@ -91,6 +91,23 @@ class _Replica:
     error: str | None = None
 
 
+def _warn_if_unplaceable(resources: dict[str, Any], n: int) -> None:
+    """Say so when the cluster cannot hold ``n`` replicas right now: Ray would
+    leave them pending (and this constructor waiting) until resources free up
+    or a node joins, which an autoscaling cluster may still do."""
+    import ray
+
+    free = ray.available_resources()
+    names = {"num_cpus": "CPU", "num_gpus": "GPU"}
+    for key, amount in resources.items():
+        name = names.get(key, key)
+        if free.get(name, 0.0) < amount * n:
+            logger.warning(
+                "data_parallel_size=%d needs %s %s (%s each) but the Ray cluster has %s free: replicas wait "
+                "until that much is free", n, amount * n, name, amount, free.get(name, 0.0),
+            )  # fmt: skip
+
+
 def connect_ray() -> None:
     """``ray.init()`` unless this process is connected already: the cluster
     ``RAY_ADDRESS`` names, else a local instance.
@@ -138,6 +155,7 @@ class DataParallelEngine:
         self.args = args
         n = args.data_parallel_size
         resources = actor_options or ({"num_gpus": 1} if args.device.startswith("cuda") else {"num_cpus": 1})
+        _warn_if_unplaceable(resources, n)
         actor_cls = ray.remote(EngineReplica).options(**resources, max_restarts=0, max_concurrency=1)
         self._replicas = [_Replica(i, actor_cls.remote(args, options)) for i in range(n)]
         try:
