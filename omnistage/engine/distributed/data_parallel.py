@@ -47,6 +47,8 @@ __all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaLoad", "connect_ra
 
 logger = logging.getLogger(__name__)
 
+_WAIT_S = 0.05  # the longest ``step`` waits for a replica's step before returning nothing
+
 
 @dataclass
 class ReplicaLoad:
@@ -73,7 +75,7 @@ class DataParallelStats(EngineStats):
 @dataclass
 class _Routed:
     replica: int
-    inputs: ProcessedInputs  # kept until the first token, for a retry elsewhere
+    inputs: ProcessedInputs  # whole until the first token (for a retry elsewhere), then without media
     params: SamplingParams
     options: dict[str, Any]
     streamed: bool = False
@@ -275,7 +277,7 @@ class DataParallelEngine:
 
     def step(self) -> list[RequestOutput]:
         """Start a step on every replica with work and none in flight; return the
-        outputs of the steps that ended (waits for at least one)."""
+        outputs of the steps that ended (waiting at most ``_WAIT_S`` for one)."""
         import ray
 
         for r in self._replicas:
@@ -286,7 +288,9 @@ class DataParallelEngine:
         if not in_flight:
             return outputs
         refs = list(in_flight)
-        ready, rest = ray.wait(refs, num_returns=1)
+        # Bounded: the caller gets back to its queue (new requests for an idle
+        # replica) while a long step runs elsewhere; an empty list then.
+        ready, rest = ray.wait(refs, num_returns=1, timeout=_WAIT_S)
         if rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
@@ -314,8 +318,9 @@ class DataParallelEngine:
             routed = self._requests.get(out.request_id)
             if routed is None or routed.replica != replica.index:
                 continue  # aborted meanwhile
-            if any(c.token_ids for c in out.outputs):
-                routed.streamed = True
+            if not routed.streamed and any(c.token_ids for c in out.outputs):
+                routed.streamed = True  # never retried now: its media need not stay in this process
+                routed.inputs = dataclasses.replace(routed.inputs, mm_features=[], payload=None)
             if out.finished:
                 del self._requests[out.request_id]
                 replica.requests.discard(out.request_id)
