@@ -155,6 +155,8 @@ class DataParallelEngine:
 
         connect_ray()
         self.args = args
+        self._requests: dict[str, _Routed] = {}
+        self._failed: list[RequestOutput] = []  # outputs of requests a dead replica took with it
         n = args.data_parallel_size
         resources = actor_options or ({"num_gpus": 1} if args.device.startswith("cuda") else {"num_cpus": 1})
         _warn_if_unplaceable(resources, n)
@@ -165,10 +167,9 @@ class DataParallelEngine:
             ray.get([r.actor.pid.remote() for r in self._replicas[1:]])  # every replica built, or raise here
         except ray.exceptions.RayError as exc:
             self.shutdown()
-            raise RuntimeError(f"an engine replica of {args.model!r} failed to start: {exc}") from exc
+            why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__  # the cause's line
+            raise RuntimeError(f"an engine replica of {args.model!r} failed to start: {why}") from exc
         self.router = PrefixRouter(n, routing, max_imbalance=args.max_num_seqs)
-        self._requests: dict[str, _Routed] = {}
-        self._failed: list[RequestOutput] = []  # outputs of requests a dead replica took with it
 
     # -- what a stage engine also answers ---------------------------------------------
 
