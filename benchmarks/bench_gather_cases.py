@@ -116,10 +116,11 @@ class Workload:
             shape.items_per_req * (shape.text_gap + length) + shape.text_gap
         )
         gen = torch.Generator().manual_seed(0)
-        pool = [
-            torch.randn(shape.embeds_per_item, HIDDEN, generator=gen).to(DTYPE)
-            for _ in range(DISTINCT_OUTPUTS)
-        ]
+        with torch.inference_mode():  # as the runner's encoder makes them
+            pool = [
+                torch.randn(shape.embeds_per_item, HIDDEN, generator=gen).to(DTYPE)
+                for _ in range(DISTINCT_OUTPUTS)
+            ]
         self.req_ids = [f"req{i}" for i in range(shape.num_reqs)]
         features = {}
         outputs = {}

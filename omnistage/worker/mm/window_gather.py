@@ -103,7 +103,10 @@ def gather_windows(
                         re_ = cumsum[e - 1]
                         if rs == re_:  # only non-embed positions in the window
                             continue
-                out = outputs.get(ident)
+                try:
+                    out = outputs[ident]
+                except KeyError:
+                    out = None
                 if out is None or out.shape[0] != num_embeds:
                     _check_output(out, entry, req_ids[n], qs, qe, rs, re_, draft_lookahead)
                     skipped = [entry] if skipped is None else [*skipped, entry]
