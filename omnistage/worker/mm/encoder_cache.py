@@ -36,9 +36,9 @@ class RequestFeatureIndex:
     for items that share placeholders (one span nested in another); for the
     usual disjoint items it equals the plain ends.
 
-    ``embed_positions`` holds one byte (0 or 1) per prompt position in
-    ``[0, max_end)``: 1 where some item places an encoder row (the OR of every
-    item's ``is_embed``). A step's slot mask is then the join of one bytes
+    ``embed_positions`` holds one byte (0 or 1) per prompt position from 0 to
+    at least ``max_end``: 1 where some item places an encoder row (the OR of
+    every item's ``is_embed``); the gather pads it with zeros on demand. A step's slot mask is then the join of one bytes
     slice per request, not one array write per item.
     """
 

@@ -15,6 +15,7 @@ the items' Python ints into arrays costs as much as the arithmetic it saves.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from itertools import accumulate
 from operator import attrgetter, getitem, is_
 
 import numpy as np
@@ -33,6 +34,7 @@ _NUM_FEATURES = attrgetter("num_features")
 _MAX_ENDS = attrgetter("max_ends")
 _OFFSETS = attrgetter("offsets")
 _ENTRIES = attrgetter("entries")
+_POSITIONS = attrgetter("embed_positions")
 
 
 def _current_indices(cache: EncoderCache, req_ids: list[str]) -> list[RequestFeatureIndex]:
@@ -77,20 +79,26 @@ def gather_windows(
     outputs = cache.encoder_outputs
     rows: list[torch.Tensor] = []
     append = rows.append
-    pieces: list[bytes] = []  # the mask, in slot order
-    cursor = 0  # slots covered by ``pieces``
-    scattered: list[tuple[int, bytes]] = []  # windows out of slot order
+    skips: list[tuple[int, list[FeatureEntry], list[FeatureEntry]]] = []  # drafter boundary items
     with torch.inference_mode():  # cheaper views; they are only read
         for n, (qs, qe, entries) in enumerate(zip(starts, ends, windows)):
-            if not entries:
-                continue
             skipped = None
             for entry in entries:
                 off, length, ident, modality, cumsum, _, num_embeds, end = entry
                 if off >= qs and end <= qe:  # the whole item is in the window
                     if not num_embeds:
                         continue
-                    rs, re_ = 0, num_embeds
+                    try:
+                        out = outputs[ident]
+                    except KeyError:
+                        out = None
+                    if out is None or out.shape[0] != num_embeds:
+                        _check_output(out, entry, req_ids[n], qs, qe, 0, num_embeds, draft_lookahead)
+                        skipped = [entry] if skipped is None else [*skipped, entry]
+                        continue
+                    # detach() makes a fresh alias (to carry the modality) more
+                    # cheaply than a slice.
+                    item = out.detach()
                 else:
                     s = qs - off if qs > off else 0
                     e = qe - off if qe < end else length
@@ -103,37 +111,67 @@ def gather_windows(
                         re_ = cumsum[e - 1]
                         if rs == re_:  # only non-embed positions in the window
                             continue
-                try:
-                    out = outputs[ident]
-                except KeyError:
-                    out = None
-                if out is None or out.shape[0] != num_embeds:
-                    _check_output(out, entry, req_ids[n], qs, qe, rs, re_, draft_lookahead)
-                    skipped = [entry] if skipped is None else [*skipped, entry]
-                    continue
-                # detach() makes a fresh alias (to carry the modality) more
-                # cheaply than a slice.
-                item = out.detach() if re_ - rs == num_embeds else out[rs:re_]
+                    try:
+                        out = outputs[ident]
+                    except KeyError:
+                        out = None
+                    if out is None or out.shape[0] != num_embeds:
+                        _check_output(out, entry, req_ids[n], qs, qe, rs, re_, draft_lookahead)
+                        skipped = [entry] if skipped is None else [*skipped, entry]
+                        continue
+                    item = out.detach() if re_ - rs == num_embeds else out[rs:re_]
                 item.modality = modality
                 append(item)
-            piece = indices[n].embed_positions[qs:qe]
-            if len(piece) < qe - qs:  # the window runs past the last item
-                piece += bytes(qe - qs - len(piece))
             if skipped is not None:
-                piece = _unmark(entries, skipped, qs, piece)
-            slot = slots[n]
-            if slot >= cursor:
-                if slot > cursor:
-                    pieces.append(bytes(slot - cursor))
-                pieces.append(piece)
-                cursor = slot + len(piece)
-            else:
-                scattered.append((slot, piece))
-    pieces.append(bytes(num_tokens - cursor))
-    mask = np.frombuffer(bytearray().join(pieces), dtype=bool)
+                skips.append((n, indices[n].entries[lo[n] : hi[n]], skipped))
+    return rows, _slot_mask(indices, starts, ends, counts, slots, num_tokens, skips)
+
+
+def _slot_mask(
+    indices: list[RequestFeatureIndex],
+    starts: list[int],
+    ends: list[int],
+    counts: list[int],
+    slots: list[int],
+    num_tokens: int,
+    skips: list[tuple[int, list[FeatureEntry], list[FeatureEntry]]],
+) -> np.ndarray:
+    """The join of each window's slice of its prompt's embed-position bytes,
+    with zero bytes where no window is (decoding requests, gaps)."""
+    pieces = list(map(getitem, map(_POSITIONS, indices), map(slice, starts, ends)))
+    if list(map(len, pieces)) != counts:  # windows running past their last item
+        for n, piece in enumerate(pieces):
+            if len(piece) < counts[n]:
+                pieces[n] = _padded_positions(indices[n], ends[n])[starts[n] : ends[n]]
+    for n, entries, skipped in skips:
+        pieces[n] = _unmark(entries, skipped, starts[n], pieces[n])
+    if slots[0] == 0 and list(accumulate(counts[:-1], initial=0)) == slots:  # packed windows
+        pieces.append(bytes(num_tokens - slots[-1] - counts[-1]))
+        return np.frombuffer(bytearray().join(pieces), dtype=bool)
+    parts: list[bytes] = []
+    cursor = 0  # slots covered by ``parts``
+    scattered: list[tuple[int, bytes]] = []  # windows out of slot order
+    for slot, piece in zip(slots, pieces):
+        if slot >= cursor:
+            if slot > cursor:
+                parts.append(bytes(slot - cursor))
+            parts.append(piece)
+            cursor = slot + len(piece)
+        else:
+            scattered.append((slot, piece))
+    parts.append(bytes(num_tokens - cursor))
+    mask = np.frombuffer(bytearray().join(parts), dtype=bool)
     for slot, piece in scattered:
         mask[slot : slot + len(piece)] |= np.frombuffer(piece, dtype=bool)
-    return rows, mask
+    return mask
+
+
+def _padded_positions(index: RequestFeatureIndex, end: int) -> bytes:
+    """The index's embed positions, extended with zero bytes to at least
+    ``end`` (kept, doubling, so that later windows slice without padding)."""
+    positions = index.embed_positions
+    index.embed_positions = positions + bytes(max(end, 2 * len(positions)) - len(positions))
+    return index.embed_positions
 
 
 def _check_output(
