@@ -9,10 +9,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.attention.paged_attention import allocate_kv_caches, build_attention_metadata
+from omnistage.attention.paged_attention import (
+    allocate_kv_caches,
+    build_attention_metadata,
+)
 from omnistage.core.runner_output import ModelRunnerOutput
 from omnistage.core.sched_output import NewRequestData, SchedulerOutput
 from omnistage.models.interface import tensor_cache_policy_of
+from omnistage.worker.host_copy import (
+    CopyDevice,
+    CudaCopyDevice,
+    HostCopier,
+    PendingRows,
+)
 from omnistage.worker.input_batch import BatchStep, InputBatch
 from omnistage.worker.mm.encoder_cache import EncoderCache
 from omnistage.worker.model_state import ModelState
@@ -77,9 +86,15 @@ class ModelRunner:
         max_num_batched_tokens: int | None = None,
         enable_tensor_cache: bool = True,
         drafter: Any | None = None,
+        copy_device: CopyDevice | None = None,
     ) -> None:
         self.model = loaded_model.model
         self.device = torch.device(device)
+        # Per-token rows leave a CUDA device through a side stream into reused pinned
+        # buffers; ``copy_device`` replaces that device half (tests: DeferredCopyDevice).
+        if copy_device is None and self.device.type == "cuda":
+            copy_device = CudaCopyDevice(self.device)
+        self.host_copier = HostCopier(copy_device) if copy_device is not None else None
         self.block_size = block_size
         m = self.model
         self.kv_caches = allocate_kv_caches(
@@ -243,12 +258,18 @@ class ModelRunner:
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, metadata, self.kv_caches, inputs_embeds=inputs.inputs_embeds
         )
-        out = self.sample(step, hidden) if not drafts else self._sample_with_drafts(step, hidden, drafts)
-        # From here on only verified tokens count: rejected drafts' rows never reach
-        # the tensor prefix cache, a later stage or the drafter.
-        if out.spec_sampled_token_ids:
-            step, hidden = self._verified(step, hidden, out.spec_sampled_token_ids)
-        rows = self._per_token_rows(step, hidden)
+        if drafts:
+            out = self._sample_with_drafts(step, hidden, drafts)
+            # From here on only verified tokens count: rejected drafts' rows never
+            # reach the tensor prefix cache, a later stage or the drafter. (The rows'
+            # copy cannot overlap sampling here: which rows are valid is known after.)
+            if out.spec_sampled_token_ids:
+                step, hidden = self._verified(step, hidden, out.spec_sampled_token_ids)
+            pending_rows = self._start_per_token_rows(step, hidden)
+        else:
+            pending_rows = self._start_per_token_rows(step, hidden)  # copied to the host under sampling
+            out = self.sample(step, hidden)
+        rows = self._per_token_rows(step, *pending_rows) if pending_rows else {}
         if rows:
             out.hidden_states = rows
         cache = self.tensor_cache
@@ -365,27 +386,38 @@ class ModelRunner:
                 positions[:, qsl[i] : qsl[i] + stop - start] = table[:, start:stop]
         return torch.from_numpy(positions).to(self.device)
 
-    def _per_token_rows(self, step: BatchStep, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """This step's per-token outputs of the requests that return them, on the host,
-        with the cached prefix rows merged in for a request's first step after a hit;
-        also written to the tensor prefix cache for later hits."""
+    def _start_per_token_rows(self, step: BatchStep, hidden: torch.Tensor) -> tuple | None:
+        """Begin this step's per-token outputs: None when no request reads rows and
+        none are cached; else what ``_per_token_rows`` needs, with the rows' copy to
+        the host started (on a device, a side-stream copy that sampling overlaps)."""
         wanted = [i for i, r in enumerate(step.req_ids) if r in self._returns_rows] if self._returns_rows else []
         cache = self.tensor_cache
         if cache is not None and not cache.policy.full_prefix_hidden:
             cache = None  # it caches deferred keys only: no rows to write or merge here
         if not wanted and cache is None:
-            return {}  # no request reads rows and none are cached: no extra work
+            return None  # no extra work
         n = step.num_tokens
         states = self.stage_model.per_token_outputs(hidden[:n], step.input_ids[:n])
-        if states.device.type != "cpu":
-            # One device-to-host copy per step, shared by the cache write, the merge and
-            # the hand-off (all on the host). TODO: pinned buffer + side stream on GPUs.
+        if self.host_copier is not None:
+            return wanted, cache, self.host_copier.start(states)
+        return wanted, cache, states
+
+    def _per_token_rows(
+        self, step: BatchStep, wanted: list[int], cache: StepTensorCache | None, states: Any
+    ) -> dict[str, torch.Tensor]:
+        """This step's per-token outputs of the requests that return them, on the host,
+        with the cached prefix rows merged in for a request's first step after a hit;
+        also written to the tensor prefix cache for later hits."""
+        if isinstance(states, PendingRows):
+            states = states.wait()  # the step's one wait on the copy, shared by all uses
+        elif states.device.type != "cpu":
             states = states.to("cpu")
         if cache is None:
             parts = torch.split_with_sizes(states, step.num_scheduled_tokens.tolist())
             return {step.req_ids[i]: parts[i] for i in wanted}
         cache.write(step, states)
-        # Views of this step's fresh ``states`` (merged copies on hits): nothing reuses them.
+        # Views of this step's ``states`` (merged copies on hits); the host buffer
+        # under them is reused only once the consumers have freed every view.
         return cache.merge(step, self.input_batch, states, wanted) if wanted else {}
 
     def sample(self, step: BatchStep, hidden: torch.Tensor) -> ModelRunnerOutput:
