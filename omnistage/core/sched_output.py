@@ -59,6 +59,10 @@ class SchedulerOutput:
     # known token (its ``num_scheduled_tokens`` is 1 + len(drafts)); the worker
     # verifies them in this step's forward.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Encoder workers (EPD): req_id -> indices into its mm_features whose
+    # output a worker published; the runner loads them (encoding any it cannot
+    # load) before the gather. Disjoint from scheduled_encoder_inputs.
+    remote_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
