@@ -56,8 +56,11 @@ class Kind:
         if self.kind == "vl":
             return [
                 chat_prompt(p, ["image", "text"], {"image": image(0)}),
-                chat_prompt(p, ["text", "image", "text", "image", "image"],
-                            {"image": [image(1), image(2, 140, 140), image(3, 300, 50)]}),  # fmt: skip
+                chat_prompt(
+                    p,
+                    ["text", "image", "text", "image", "image"],
+                    {"image": [image(1), image(2, 140, 140), image(3, 300, 50)]},
+                ),
                 chat_prompt(p, ["video", "text"], {"video": video(0)}),
                 chat_prompt(p, ["video", "image", "text"], {"video": (video(1, 4), {"fps": 1.0}), "image": image(4)}),
                 chat_prompt(p, ["text", "image"], {"image": image(0)}, text="the same image again"),
