@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omnistage import envs
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.stage_engine import LLMEngine
 from omnistage.models.loader import LoadedModel, load_model
@@ -48,7 +49,7 @@ MAX_IMAGE_TOKENS = 256  # merged 28x28 squares: 1,024 patches through the tower
 
 
 def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip()
 
 
 def spread(values: list[float]) -> str:
@@ -114,7 +115,9 @@ def bench_encoder_workers(args: argparse.Namespace) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace="omnistage", log_to_driver=False)
+        address = envs.ray_address()
+        local = {"num_cpus": 2} if address == "local" else {}
+        ray.init(address=address, include_dashboard=False, namespace="omnistage", log_to_driver=False, **local)
     torch.set_num_threads(1)  # the engine's share of a 2-core machine; the worker gets the other
     path = write_heavy_vision_checkpoint(tempfile.mkdtemp(prefix="bench-epd-"))
     loaded: LoadedModel = load_model(path)

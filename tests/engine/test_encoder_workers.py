@@ -37,7 +37,7 @@ def ray_local():
     """A local Ray instance sized for a 2-core machine (logical CPUs: one per worker)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, namespace="omnistage", object_store_memory=256 * 2**20,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="omnistage", object_store_memory=256 * 2**20,
                  log_to_driver=False)  # fmt: skip
     yield ray
     if started:

@@ -29,8 +29,11 @@ Policy:
   store holds at most the outputs of the requests in flight.
 - **Sharing.** Workers are named by the towers' fingerprint, so every engine
   (data-parallel replica) of one checkpoint and dtype in a Ray namespace
-  shares them and their published outputs; keys carry the processor's
-  settings too, so engines whose processors differ never share an entry.
+  shares them and their published outputs; an identifier always goes to the
+  same worker (its hash picks one of the live workers), so concurrent
+  requests of different engines for one image share one encode. Keys carry
+  the processor's settings too, so engines whose processors differ never
+  share an entry.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from omnistage import envs
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.worker.mm.encoder_worker import (
     EncodeItem,
@@ -96,9 +101,8 @@ class RemoteEncoderPool:
     ) -> None:
         import ray
 
-        if not ray.is_initialized():
-            # A local instance, or the cluster RAY_ADDRESS names (Ray reads it).
-            ray.init(include_dashboard=False, namespace=RAY_NAMESPACE)
+        if not ray.is_initialized():  # the cluster RAY_ADDRESS names, else a local instance
+            ray.init(address=envs.ray_address(), include_dashboard=False, namespace=RAY_NAMESPACE)
         self._ray = ray
         self.model_path, self.dtype, self.device = model_path, dtype, device
         self.fingerprint, self.namespace, self.hidden_size = fingerprint, namespace, hidden_size
@@ -202,18 +206,21 @@ class RemoteEncoderPool:
                 new.append(feature)
         if not new:
             return
-        # The worker with the fewest pending entries takes the whole request.
-        load = {i: 0 for i in alive}
-        for entry in self.entries.values():
-            if entry.output is None and entry.worker in load:
-                load[entry.worker] += 1
-        index = min(alive, key=lambda i: load[i])
-        items = [EncodeItem(self._key(f.identifier), f.modality, f.data, f.mm_position.get_num_embeds()) for f in new]
-        task = self.workers[index].handle.encode.remote(self.consumer, items)
+        # An identifier always goes to the same worker (while the set of live
+        # workers stays): engines sharing the workers then share its encode.
+        by_worker: dict[int, list[MultiModalFeatureSpec]] = {}
+        for feature in new:
+            by_worker.setdefault(alive[zlib.crc32(feature.identifier.encode()) % len(alive)], []).append(feature)
         now = time.monotonic()
-        for k, feature in enumerate(new):
-            key = items[k].key
-            self.entries[feature.identifier] = _Entry(feature.identifier, key, index, task, k, now, set(req_ids))
+        for index, group in by_worker.items():
+            items = [
+                EncodeItem(self._key(f.identifier), f.modality, f.data, f.mm_position.get_num_embeds()) for f in group
+            ]
+            task = self.workers[index].handle.encode.remote(self.consumer, items)
+            for k, feature in enumerate(group):
+                self.entries[feature.identifier] = _Entry(
+                    feature.identifier, items[k].key, index, task, k, now, set(req_ids)
+                )
         self.num_submitted += len(new)
 
     def _key(self, identifier: str) -> str:
