@@ -169,7 +169,8 @@ class StageEngine:
         )
         if args.num_encoder_workers:
             if mm_processor is None:
-                logger.warning("num_encoder_workers is ignored for the %r stage: it takes no media", spec.name)
+                if spec.input_processor is None:  # later pipeline stages take hand-off records, never media
+                    logger.warning("num_encoder_workers is ignored: %r takes no media", loaded_model.name)
             else:
                 from omnistage.worker.mm.remote_encoder import RemoteEncoderPool
 

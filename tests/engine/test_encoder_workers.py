@@ -77,10 +77,11 @@ class Kind:
 @pytest.fixture(scope="session")
 def kinds(ray_local, tmp_path_factory) -> dict[str, Kind]:
     root = tmp_path_factory.mktemp("epd")
-    out = {k: Kind(k, root) for k in ("vl", "omni")}
-    # Start both workers now: they load while the baselines below run.
-    for k in out.values():
-        k.starter = make_engine(k.loaded, num_encoder_workers=1, **ENGINE)
+    out = {}
+    for name in ("vl", "omni"):
+        # Each worker starts as soon as its checkpoint exists: it loads while the rest is prepared.
+        out[name] = Kind(name, root)
+        out[name].starter = make_engine(out[name].loaded, num_encoder_workers=1, **ENGINE)
     return out
 
 
