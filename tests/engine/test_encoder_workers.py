@@ -3,7 +3,9 @@ the colocated engine's, token for token, with chunked prefill and prefix
 caching on; a worker that is slow past the deadline or killed mid-run costs
 only a local re-encode; published outputs are keyed by processor settings
 too; nothing (object-store entry, KV block, encoder reference) is held
-after the run.
+after the run: the engine's registry is empty, and the worker, which owns
+every published output, lists none and has no object reference left in
+Ray's reference table.
 
 The Ray instance and the workers (one per checkpoint, named by its towers'
 fingerprint, so every engine here attaches to the same one) are started once
@@ -106,9 +108,11 @@ def assert_nothing_held(engine) -> None:
     assert engine.held().is_empty, engine.held()
     assert_pool_clean(engine)
     assert engine.scheduler.encoder_cache_manager.num_referenced_entries == 0
+    # The worker owns every published output: it lists none, and Ray tracks no
+    # reference to any (ours are dropped; borrowers' releases arrive asynchronously).
     pool = engine.remote_encoder
     deadline = time.monotonic() + 10
-    while any(s and s["published"] for s in pool.worker_stats()):
+    while any(s and (s["published"] or s["objects"]) for s in pool.worker_stats()):
         assert time.monotonic() < deadline, pool.worker_stats()
         time.sleep(0.05)
 
@@ -228,3 +232,21 @@ def test_killed_worker_loses_nothing(kinds):
     engine.step()
     assert engine.held().is_empty, engine.held()
     assert_pool_clean(engine)
+
+
+def test_arguments_and_text_models(tiny_loaded):
+    """The flag is on every command (EngineArgs generates it); a text model
+    ignores it (nothing to encode) and starts no worker."""
+    import argparse
+
+    from omnistage.engine.arg_utils import EngineArgs
+
+    parsed = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--num-encoder-workers", "2", "--encoder-worker-timeout-s", "3.5"]
+    )
+    assert EngineArgs.cli_kwargs(parsed) == {"num_encoder_workers": 2, "encoder_worker_timeout_s": 3.5}
+    for bad in ({"num_encoder_workers": -1}, {"encoder_worker_timeout_s": 0}):
+        with pytest.raises(ValueError, match=f"EngineArgs.{next(iter(bad))} is out of range"):
+            EngineArgs(**bad)
+    engine = make_engine(tiny_loaded("qwen3"), num_encoder_workers=1)
+    assert engine.remote_encoder is None and engine.runner.remote_encoder is None

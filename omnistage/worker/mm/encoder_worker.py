@@ -177,10 +177,23 @@ class EncoderWorker:
         return len(self.published)
 
     def stats(self) -> dict[str, int]:
-        return {"published": self.num_published(), "encoded": self.num_encoded}
+        """Entries listed, items encoded, and the object references this
+        actor's Ray core worker still tracks: the outputs it owns that it or a
+        consumer references (-1 where Ray offers no such count)."""
+        return {"published": self.num_published(), "encoded": self.num_encoded, "objects": _num_object_refs()}
 
     def _sweep(self) -> None:
         """Unlist entries older than the TTL (a consumer that never released)."""
         cutoff = time.monotonic() - self.ttl_s
         for key in [k for k, e in self.published.items() if e.created < cutoff]:
             del self.published[key]
+
+
+def _num_object_refs() -> int:
+    """Ray's reference table size for this process (a private API: -1 if absent)."""
+    try:
+        import ray
+
+        return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return -1
