@@ -54,3 +54,17 @@ def test_towers_only_and_bit_identical(kind, tmp_path):
     changed = {**settings, "image": {**settings["image"], "size": {"shortest_edge": 3136, "longest_edge": 3136}}}
     assert encoder_namespace(fingerprint, settings) == encoder_namespace(fingerprint, proc.encoder_settings())
     assert encoder_namespace(fingerprint, settings) != encoder_namespace(fingerprint, changed)
+
+
+def test_whole_omni_checkpoint_thinker_towers(tmp_path):
+    """A whole Qwen2.5-Omni checkpoint keeps the towers under ``thinker.``; the
+    worker's load must fingerprint like the pipeline's thinker (a config saved
+    differently, e.g. without ``dtype``, must not make them differ)."""
+    from omnistage.models.qwen2_5_omni import load_qwen2_5_omni
+    from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+
+    path = write_tiny_qwen2_5_omni(tmp_path / "omni")
+    thinker = load_qwen2_5_omni(path).thinker.mm_adapter
+    encoder = load_mm_encoder(Path(path), torch.float32, "cpu")
+    assert towers_fingerprint(encoder) == towers_fingerprint(thinker)
+    assert all(p.is_meta for p in encoder.language_model.parameters())

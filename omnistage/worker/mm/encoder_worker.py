@@ -41,6 +41,9 @@ from omnistage.worker.model_state import ModelState
 __all__ = ["EncodeItem", "EncoderWorker", "encoder_namespace", "towers_fingerprint"]
 
 DEFAULT_TTL_S = 120.0
+# Config entries that record how a config was saved or loaded, not what the
+# tower computes (the weights' dtypes are hashed with the weights).
+_CONFIG_BOOKKEEPING = frozenset({"dtype", "torch_dtype", "_name_or_path", "transformers_version", "architectures"})
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ def towers_fingerprint(adapter: Any) -> str:
         tower = getattr(adapter.inner, name, None)
         if tower is None:
             continue
-        sha.update(f"tower {name}|{tower.config.to_json_string(use_diff=False)}".encode())
+        config = {k: v for k, v in tower.config.to_dict().items() if k not in _CONFIG_BOOKKEEPING}
+        sha.update(f"tower {name}|{json.dumps(config, sort_keys=True, default=repr)}".encode())
         for key, tensor in sorted(tower.state_dict().items()):
             _update_tensor(sha, key, tensor)
     sha.update(f"output dtype {adapter.dtype}".encode())

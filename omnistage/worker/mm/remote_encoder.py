@@ -83,6 +83,7 @@ class _Worker:
     ready: Any = None  # ObjectRef of its info() while it starts
     alive: bool = False
     spawned_at: float = 0.0
+    refused: bool = False  # it runs other towers (a stale deployment under this name): never used
 
 
 class RemoteEncoderPool:
@@ -165,10 +166,14 @@ class RemoteEncoderPool:
                 worker.ready = None
                 if info["fingerprint"] != self.fingerprint or info["hidden_size"] != self.hidden_size:
                     logger.warning("encoder worker %s runs other towers than this engine; not used", worker.name)
-                    worker.handle = None
+                    worker.handle, worker.refused = None, True
                     continue
                 worker.alive = True
-            elif worker.handle is None and time.monotonic() - worker.spawned_at > _RESPAWN_BACKOFF_S:
+            elif (
+                worker.handle is None
+                and not worker.refused
+                and time.monotonic() - worker.spawned_at > _RESPAWN_BACKOFF_S
+            ):
                 self._spawn(worker)
 
     def _worker_died(self, index: int) -> None:
