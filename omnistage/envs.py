@@ -18,6 +18,8 @@ expected. Modules never read ``os.environ`` themselves; they call these.
   prepacked copies; a model that would need more gets none.
 - ``OMNISTAGE_DENSE_DECODE_BYTES`` (``1 << 30``, 1 GiB): byte budget of the
   dense decode views over all layers; ``0`` turns them off.
+- ``RAY_ADDRESS`` (unset): the Ray cluster that encoder workers
+  (``num_encoder_workers``) run on; unset starts a local instance.
 
 A switch is off for ``0``, ``false``, ``no`` or ``off`` (any case); any other
 value, or none, leaves it on.
@@ -37,6 +39,7 @@ __all__ = [
     "NATIVE",
     "PREPACK",
     "PREPACK_MAX_BYTES",
+    "RAY_ADDRESS",
     "VARIABLES",
     "EnvVar",
     "cache_dir",
@@ -46,6 +49,7 @@ __all__ = [
     "native_enabled",
     "prepack_enabled",
     "prepack_max_bytes",
+    "ray_address",
 ]
 
 _OFF = ("0", "false", "no", "off")
@@ -86,7 +90,11 @@ DENSE_DECODE_BYTES = EnvVar(
     "OMNISTAGE_DENSE_DECODE_BYTES", str(1 << 30), "byte budget of the dense decode views (0: off)"
 )
 
-VARIABLES: tuple[EnvVar, ...] = (CACHE_DIR, NATIVE, CXX, LEAN_FORWARD, PREPACK, PREPACK_MAX_BYTES, DENSE_DECODE_BYTES)
+RAY_ADDRESS = EnvVar("RAY_ADDRESS", "", "the Ray cluster to use (unset: start a local instance)")
+
+VARIABLES: tuple[EnvVar, ...] = (
+    CACHE_DIR, NATIVE, CXX, LEAN_FORWARD, PREPACK, PREPACK_MAX_BYTES, DENSE_DECODE_BYTES, RAY_ADDRESS,
+)  # fmt: skip
 
 
 def cache_dir() -> Path:
@@ -117,3 +125,9 @@ def prepack_max_bytes() -> int:
 
 def dense_decode_bytes() -> int:
     return DENSE_DECODE_BYTES.byte_count()
+
+
+def ray_address() -> str:
+    """``$RAY_ADDRESS``, or ``"local"`` (start a local Ray instance) when unset:
+    never a cluster found by chance on the machine."""
+    return RAY_ADDRESS.raw().strip() or "local"

@@ -22,15 +22,20 @@ class EncoderPlan:
     ``pinned``: items whose output is already cached; their references were
     taken while planning (so that a later ``can_allocate`` in the same plan
     cannot evict them) and are released again if the plan is not committed.
+    ``to_load``: items an encoder worker published; allocated like
+    ``to_encode`` and loaded by the runner instead of encoded
+    (``num_load_embeds`` rows of cache space, no compute budget).
     """
 
     to_encode: list[int] = field(default_factory=list)
     same_content: list[int] = field(default_factory=list)
     pinned: list[int] = field(default_factory=list)
     num_embeds: int = 0
+    to_load: list[int] = field(default_factory=list)
+    num_load_embeds: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.to_encode or self.same_content or self.pinned)
+        return bool(self.to_encode or self.same_content or self.pinned or self.to_load)
 
 
 class EncoderScheduler:
@@ -65,12 +70,22 @@ class EncoderScheduler:
     - **Lifetime.** A request's reference to an item is released once the
       item's whole span has been computed (``free_computed``, after the step
       ran), or when the request finishes, is aborted or preempted (``free``).
+    - **Encoder workers** (EPD; the engine refreshes ``remote_pending`` and
+      ``remote_ready``, plain identifiers, before each pass). An item a worker
+      is still encoding stops the window before it, as a budget miss does; an
+      item a worker published is planned as a load (``to_load``): it needs
+      cache space like any entry but costs none of the step's compute budget.
+      Any other item (the worker failed, was late, or there is none) is
+      encoded here.
     """
 
     def __init__(self, manager: EncoderCacheManager, compute_budget: int) -> None:
         self.manager = manager
         self.compute_budget = compute_budget
         self.budget_left = compute_budget
+        self.remote_pending: set[str] = set()
+        self.remote_ready: set[str] = set()
+        self._loads: dict[str, list[int]] = {}  # this pass: request id -> items to load
 
     # -- admission -----------------------------------------------------------
 
@@ -93,6 +108,12 @@ class EncoderScheduler:
 
     def begin_pass(self) -> None:
         self.budget_left = self.compute_budget
+        self._loads = {}
+
+    def take_loads(self) -> dict[str, list[int]]:
+        """The items committed as loads in this pass, by request."""
+        loads, self._loads = self._loads, {}
+        return loads
 
     def plan(
         self, request: Request, start: int, num_new_tokens: int, lookahead: int = 0
@@ -126,7 +147,16 @@ class EncoderScheduler:
                 plan.pinned.append(k)
                 continue
             n = pos.get_num_embeds()
-            if manager.can_allocate(request, k, self.budget_left - plan.num_embeds, plan.num_embeds):
+            chosen_rows = plan.num_embeds + plan.num_load_embeds
+            if feature.identifier in self.remote_ready:
+                if manager.can_allocate(request, k, n, chosen_rows):
+                    plan.to_load.append(k)
+                    plan.num_load_embeds += n
+                    chosen.add(feature.identifier)
+                    continue
+            elif feature.identifier not in self.remote_pending and manager.can_allocate(
+                request, k, self.budget_left - plan.num_embeds, chosen_rows
+            ):
                 plan.to_encode.append(k)
                 plan.num_embeds += n
                 chosen.add(feature.identifier)
@@ -174,8 +204,10 @@ class EncoderScheduler:
         if plan is None:
             return []
         manager = self.manager
-        for k in plan.to_encode:
+        for k in plan.to_encode + plan.to_load:
             manager.allocate(request, k)
+        if plan.to_load:
+            self._loads[request.request_id] = list(plan.to_load)
         for k in plan.same_content:
             if not manager.check_and_update_cache(request, k):  # allocated just above
                 raise RuntimeError(f"request {request.request_id!r}: item {k} lost its freshly allocated entry")

@@ -77,6 +77,10 @@ class SchedulerOutput:
     draft_token_requests: dict[str, int] = field(default_factory=dict)
     # A chunked stage (a streaming vocoder): the chunks to decode this step.
     scheduled_chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Encoder workers (EPD): req_id -> indices into its mm_features whose
+    # output a worker published; the runner loads them (encoding any it cannot
+    # load) before the gather. Disjoint from scheduled_encoder_inputs.
+    remote_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -300,6 +300,7 @@ class Scheduler:
             free_encoder_mm_hashes=self.encoder.freed_hashes() if self.encoder is not None else [],
             scheduled_spec_decode_tokens=spec_tokens,
             draft_token_requests=draft_requests,
+            remote_encoder_inputs=self.encoder.take_loads() if self.encoder is not None else {},
         )
         self._finished_ids, self._aborted_ids = set(), set()
         return out

@@ -88,6 +88,14 @@ class EngineArgs:
         None, "multimodal: encoder embeddings computed per step (default: like encoder-cache-size)"
     )
     enable_encoder_cache: bool = _option(True, "multimodal: reuse encoder outputs across requests")
+    num_encoder_workers: int = _option(
+        0,
+        "multimodal: encoder-only Ray actors (towers only) that encode each request's media as soon as it is "
+        "admitted; 0 encodes in the engine. A Ray cluster is used through RAY_ADDRESS, else a local instance",
+    )
+    encoder_worker_timeout_s: float = _option(
+        10.0, "multimodal: an item an encoder worker has not published by then is encoded in the engine"
+    )
     speculative_config: dict[str, Any] | None = _option(
         None,
         'speculative decoding, off when unset; a JSON object: {"method": "ngram", "num_speculative_tokens": K, '
@@ -121,6 +129,8 @@ class EngineArgs:
                 self.max_num_batched_encoder_embeds is None or self.max_num_batched_encoder_embeds >= 1,
             ),
             ("gpu_memory_utilization", self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1),
+            ("num_encoder_workers", self.num_encoder_workers >= 0),
+            ("encoder_worker_timeout_s", self.encoder_worker_timeout_s > 0),
         ]
         for name, ok in checks:
             if not ok:

@@ -73,6 +73,7 @@ class StageHeld:
     encoder_refs: int = 0  # encoder-cache entries some request references
     encoder_requests: int = 0  # requests registered with the worker's encoder cache
     parked_generators: int = 0  # random streams of preempted seeded requests, kept for their resume
+    remote_encoder_outputs: int = 0  # encoder-worker outputs the stage still references (EPD)
 
     @property
     def is_empty(self) -> bool:

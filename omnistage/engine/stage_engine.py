@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.core.config import SchedulerConfig
@@ -37,6 +37,9 @@ from omnistage.worker.host_memory import keep_freed_host_memory
 from omnistage.worker.model_runner import ModelRunner
 from omnistage.worker.chunked_runner import ChunkedRunner
 from omnistage.worker.one_shot_runner import OneShotRunner
+
+if TYPE_CHECKING:
+    from omnistage.worker.mm.remote_encoder import RemoteEncoderPool
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType", "StageEngine"]
 
@@ -102,6 +105,7 @@ class StageEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.eos_token_ids = list(getattr(loaded_model, "eos_token_ids", None) or [])
+        self.remote_encoder: RemoteEncoderPool | None = None  # encoder workers (EPD), multimodal stages only
         self.scheduler: Scheduler | OneShotScheduler | ChunkedScheduler
         self.runner: ModelRunner | OneShotRunner | ChunkedRunner
         if spec.kind in ("one_shot", "chunked"):
@@ -179,6 +183,15 @@ class StageEngine:
             enable_tensor_cache=spec.enable_tensor_cache and prefix_caching,
             drafter=drafter,
         )
+        if args.num_encoder_workers:
+            if mm_processor is None:
+                if spec.input_processor is None:  # later pipeline stages take hand-off records, never media
+                    logger.warning("num_encoder_workers is ignored: %r takes no media", loaded_model.name)
+            else:
+                from omnistage.worker.mm.remote_encoder import RemoteEncoderPool
+
+                self.remote_encoder = RemoteEncoderPool.for_model(loaded_model, mm_processor, args)
+                self.runner.remote_encoder = self.remote_encoder
 
     @staticmethod
     def _speculative_config(
@@ -278,6 +291,11 @@ class StageEngine:
             self.scheduler.abort_requests(added)
             raise
         self.output_processor.add_request(request_id, inputs.prompt_text, children, arrival)
+        if self.remote_encoder is not None and inputs.mm_features:
+            # Now, not when the window reaches the items: they are encoded while the batch decodes.
+            manager = self.scheduler.encoder_cache_manager
+            held = manager if manager is not None else ()
+            self.remote_encoder.submit([c.request_id for c in children], inputs.mm_features, held)
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Per-child copy: ``n=1``, seed ``seed + index``, and the model's
@@ -319,7 +337,12 @@ class StageEngine:
         outputs finish with reason "error" and ``error`` set) while every
         other request goes on; what the failed ones held is released.
         """
+        remote = self.remote_encoder
+        if remote is not None:
+            self._sync_remote_encoder(remote)
         sched_out = self.scheduler.schedule()
+        if remote is not None and sched_out.is_empty and remote.pending_ids():
+            remote.wait(0.05)  # everything waits on a worker: block briefly instead of spinning
         if sched_out.preempted_req_ids:
             self.output_processor.drop_rows(sched_out.preempted_req_ids)
         try:
@@ -334,10 +357,22 @@ class StageEngine:
         outputs, stopped = self.output_processor.process(updated, runner_out, time.monotonic())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if remote is not None:
+            remote.release_ended(self.scheduler.requests)  # what ended releases its published outputs now
         self.num_steps += 1
         self.num_generated_tokens += len(runner_out.sampled_token_ids)
         self.num_generated_tokens += sum(len(t) - 1 for t in runner_out.spec_sampled_token_ids.values())
         return failed + outputs
+
+    def _sync_remote_encoder(self, remote: RemoteEncoderPool) -> None:
+        """Before a pass: resolve the workers' finished encodes, release what
+        ended requests (aborts included) held, and tell the scheduler which
+        items are pending and which are published."""
+        remote.poll()
+        remote.release_ended(self.scheduler.requests)
+        encoder = self.scheduler.encoder
+        encoder.remote_pending = remote.pending_ids()
+        encoder.remote_ready = remote.ready_ids()
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
         """Fail the user requests of these child ids (with their error) and abort them."""
@@ -377,6 +412,8 @@ class StageEngine:
             encoder = getattr(self.scheduler, "encoder_cache_manager", None)
             if encoder is not None:
                 held.encoder_refs = encoder.num_referenced_entries
+            if self.remote_encoder is not None:
+                held.remote_encoder_outputs = self.remote_encoder.num_entries
         return held
 
     def get_num_unfinished_requests(self) -> int:

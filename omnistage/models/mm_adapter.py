@@ -77,7 +77,9 @@ class QwenMultiModalAdapter:
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        # The vision tower's, not the LM head's: an encoder-only worker's LM
+        # head sits on the meta device (``mm_loader.load_mm_encoder``).
+        return next(self.inner.visual.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:

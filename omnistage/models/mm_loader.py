@@ -88,3 +88,67 @@ def load_multimodal(
     hf.to(device).eval()
     adapter = adapter_cls(hf)
     return CausalLM(TextStackView(adapter)), adapter  # type: ignore[arg-type]
+
+
+# Where a checkpoint may keep a tower's weights: the legacy layout at the top
+# level, transformers 5's under ``model.``, a whole Omni checkpoint under ``thinker.``.
+_TOWER_PREFIXES = ("", "model.", "thinker.", "thinker.model.")
+TOWER_NAMES = ("visual", "audio_tower")
+
+
+def load_mm_encoder(path: Path, dtype: torch.dtype, device: str | torch.device) -> QwenMultiModalAdapter:
+    """The adapter of a multimodal checkpoint with its vision / audio towers
+    only, for an encoder-only worker: the language model and the LM head are
+    built on the meta device (no memory, no weights read), the towers are
+    built as transformers builds them and get their weights from the
+    checkpoint's safetensors. ``embed_multimodal`` then computes exactly what
+    the whole model's adapter computes; nothing else may be called."""
+    import glob
+
+    from safetensors import safe_open
+    from transformers import (
+        AutoConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+    )
+
+    from omnistage.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerAdapter
+    from omnistage.models.qwen2_5_vl import Qwen2_5_VLAdapter
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type == "qwen2_5_vl":
+        cls: Any = Qwen2_5_VLForConditionalGeneration
+        adapter_cls: type[QwenMultiModalAdapter] = Qwen2_5_VLAdapter
+    elif config.model_type in ("qwen2_5_omni", "qwen2_5_omni_thinker"):
+        config = config.thinker_config if config.model_type == "qwen2_5_omni" else config
+        cls, adapter_cls = Qwen2_5OmniThinkerForConditionalGeneration, Qwen2_5OmniThinkerAdapter
+    else:
+        raise ValueError(
+            f"{str(path)!r}: model_type {config.model_type!r} is not multimodal; expected one of {MM_MODEL_TYPES}"
+        )
+    with torch.device("meta"):
+        hf: Any = cls._from_config(config, dtype=dtype)
+    towers: dict[str, torch.nn.Module] = {}
+    for name in TOWER_NAMES:
+        skeleton = getattr(hf.model, name, None)
+        if skeleton is not None:
+            towers[name] = type(skeleton)._from_config(skeleton.config, dtype=dtype)
+    state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in towers}
+    for file in sorted(glob.glob(str(Path(path) / "*.safetensors"))):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                for name in towers:
+                    prefix = next((p for p in _TOWER_PREFIXES if key.startswith(f"{p}{name}.")), None)
+                    if prefix is not None:
+                        state[name][key[len(prefix) + len(name) + 1 :]] = f.get_tensor(key)
+    for name, tower in towers.items():
+        result = tower.load_state_dict(state[name], strict=False)
+        persistent = set(tower.state_dict())
+        missing = [k for k in result.missing_keys if k in persistent]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"{str(path)!r}: the {name} weights do not match the tower: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+        setattr(hf.model, name, tower.to(device=device, dtype=dtype).eval())
+    return adapter_cls(hf)

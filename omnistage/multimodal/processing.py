@@ -119,6 +119,24 @@ class MultiModalProcessor:
             out["audio"] = audio_output_length(self.feature_extractor.nb_max_frames)
         return out
 
+    def encoder_settings(self) -> dict[str, Any]:
+        """Every processor setting that shapes an item's encoder input
+        (resize bounds, patch sizes, normalization, fps default, mel
+        settings). Item identifiers hash the content and the request's
+        options only; an encoder output shared beyond this processor (the
+        encoder workers' object store) is also keyed by these."""
+        import dataclasses
+
+        settings: dict[str, Any] = {
+            "image": self.image_processor.to_dict(),
+            "video": dataclasses.asdict(self.video_processor),
+            "merge_size": self.merge_size,
+            "default_fps": self.default_fps,
+        }
+        if self.feature_extractor is not None:
+            settings["audio"] = self.feature_extractor.to_dict()
+        return settings
+
     # ---------------------------------------------------------------- items
 
     def _image(self, source: Any, where: str, options: dict[str, Any]) -> tuple[dict[str, Any], int, str]:

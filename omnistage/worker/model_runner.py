@@ -124,6 +124,11 @@ class ModelRunner:
         # a text prompt's positions are its indices)
         self._mrope_prompt: dict[str, np.ndarray] = {}
         self.num_encoded_items = 0  # items run through an encoder tower, for tests and benchmarks
+        # Encoder workers (EPD): the engine's RemoteEncoderPool, and the items
+        # loaded from it / encoded here because a load failed.
+        self.remote_encoder: Any = None
+        self.num_loaded_items = 0
+        self.num_reencoded_items = 0
         # Per-request payloads (models whose inputs are built per request) and
         # the requests whose per-token outputs go back each step.
         self._payloads: dict[str, Any] = {}
@@ -354,6 +359,8 @@ class ModelRunner:
             return StepModelInputs(step.input_ids, step.positions)
         state = self.model_state
         scheduled = so.scheduled_encoder_inputs
+        if so.remote_encoder_inputs:
+            scheduled = self._load_remote_outputs(so.remote_encoder_inputs, scheduled)
         if scheduled:
             state.execute_mm_encoder(scheduled)
             self.num_encoded_items += sum(len(v) for v in scheduled.values())
@@ -365,6 +372,37 @@ class ModelRunner:
             )
             inputs.is_mm_embed = is_mm_embed
         return inputs
+
+    def _load_remote_outputs(
+        self, remote: dict[str, list[int]], scheduled: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        """Put the outputs encoder workers published into the encoder cache;
+        return ``scheduled`` plus the items that could not be loaded, which
+        are encoded here like any other (a worker's failure is never the
+        request's)."""
+        outputs = self.encoder_cache.encoder_outputs
+        features = self.encoder_cache.mm_features
+        local = {req_id: list(ids) for req_id, ids in scheduled.items()}
+        dtype, device = self.model.dtype, self.device
+        for req_id, ids in remote.items():
+            if req_id not in features:  # it failed to join the batch this step
+                continue
+            for k in ids:
+                feature = features[req_id][k]
+                if feature.identifier in outputs:
+                    continue
+                out = None
+                if self.remote_encoder is not None:
+                    out = self.remote_encoder.load(
+                        feature.identifier, feature.mm_position.get_num_embeds(), dtype, device
+                    )
+                if out is None:
+                    local.setdefault(req_id, []).append(k)
+                    self.num_reencoded_items += 1
+                else:
+                    outputs[feature.identifier] = out
+                    self.num_loaded_items += 1
+        return local
 
     def _mrope_positions(self, step: BatchStep) -> torch.Tensor:
         """``[3, T]`` positions: ``index + delta`` on every axis, vectorized
