@@ -41,3 +41,22 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for every test that needs one (data-parallel
+    replicas, encoder workers), started on first use. Logical CPUs, not
+    cores: each replica or encoder worker asks for one, and the tests keep up
+    to a handful alive at once on a 2-core machine. A Ray instance someone
+    else started in this process is used as it is."""
+    ray = pytest.importorskip("ray")
+    from omnistage.ray_cluster import RAY_NAMESPACE
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=8, namespace=RAY_NAMESPACE, include_dashboard=False,
+                 object_store_memory=256 * 2**20, log_to_driver=False)  # fmt: skip
+    yield ray
+    if started:
+        ray.shutdown()

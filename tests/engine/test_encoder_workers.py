@@ -34,18 +34,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = {"block_size": 4, "max_num_batched_tokens": 16, "enable_prefix_caching": True}
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """A local Ray instance sized for a 2-core machine (logical CPUs: one per worker)."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="omnistage", object_store_memory=256 * 2**20,
-                 log_to_driver=False)  # fmt: skip
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 class Kind:
     def __init__(self, kind: str, root: Path) -> None:
         self.kind = kind

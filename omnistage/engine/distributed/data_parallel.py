@@ -17,9 +17,9 @@ thread-confined like a stage engine.
   the others finish with reason "error" and ``RequestOutput.error`` naming
   the replica. The facade serves on with the replicas left.
 
-Ray is reached with ``ray.init()`` unless the caller initialized it: a local
-instance, or the cluster ``RAY_ADDRESS`` names (Ray reads that variable
-itself). Replicas load the checkpoint from ``args.model``, which must be a
+Ray is reached through ``omnistage.ray_cluster.connect_ray`` (the cluster
+``RAY_ADDRESS`` names, else a local instance; a caller's own ``ray.init``
+is used as it is). Replicas load the checkpoint from ``args.model``, which must be a
 path every node can read.
 """
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -41,9 +40,10 @@ from omnistage.engine.input_processor import ProcessedInputs, PromptType
 from omnistage.engine.stage import StageHeld
 from omnistage.engine.stage_engine import EngineStats
 from omnistage.outputs import RequestOutput
+from omnistage.ray_cluster import connect_ray
 from omnistage.sampling_params import SamplingParams
 
-__all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaLoad", "connect_ray"]
+__all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaLoad"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,41 +108,6 @@ def _warn_if_unplaceable(resources: dict[str, Any], n: int) -> None:
                 "data_parallel_size=%d needs %s %s (%s each) but the Ray cluster has %s free: replicas wait "
                 "until that much is free", n, amount * n, name, amount, free.get(name, 0.0),
             )  # fmt: skip
-
-
-def connect_ray() -> None:
-    """``ray.init()`` unless this process is connected already: the cluster
-    ``RAY_ADDRESS`` names, else a local instance.
-
-    A local instance's processes die with the thread that started them (Ray
-    sets PR_SET_PDEATHSIG, which Linux ties to the parent thread), and the
-    server builds its engine in a thread that ends on a rebuild; so off the
-    main thread Ray is started from a daemon thread that lives as long as the
-    process."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if threading.current_thread() is threading.main_thread():
-        ray.init(include_dashboard=False, log_to_driver=False)
-        return
-    started: list[BaseException | None] = []
-    done = threading.Event()
-
-    def keep() -> None:
-        try:
-            ray.init(include_dashboard=False, log_to_driver=False)
-            started.append(None)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            started.append(exc)
-        done.set()
-        if started[0] is None:
-            threading.Event().wait()  # hold the instance's processes for the life of the process
-
-    threading.Thread(target=keep, name="omnistage-ray", daemon=True).start()
-    done.wait()
-    if started[0] is not None:
-        raise started[0]
 
 
 class DataParallelEngine:

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from omnistage import envs
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
+from omnistage.ray_cluster import RAY_NAMESPACE, connect_ray
 from omnistage.worker.mm.encoder_worker import (
     EncodeItem,
     EncoderWorker,
@@ -60,7 +60,6 @@ __all__ = ["RemoteEncoderPool"]
 
 logger = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "omnistage"
 _RESPAWN_BACKOFF_S = 2.0
 
 
@@ -102,8 +101,7 @@ class RemoteEncoderPool:
     ) -> None:
         import ray
 
-        if not ray.is_initialized():  # the cluster RAY_ADDRESS names, else a local instance
-            ray.init(address=envs.ray_address(), include_dashboard=False, namespace=RAY_NAMESPACE)
+        connect_ray()
         self._ray = ray
         self.model_path, self.dtype, self.device = model_path, dtype, device
         self.fingerprint, self.namespace, self.hidden_size = fingerprint, namespace, hidden_size

@@ -81,7 +81,7 @@ def assert_nothing_held(engine: DataParallelEngine) -> None:
 
 
 @pytest.fixture(scope="module")
-def setups(local_ray, tmp_path_factory):
+def setups(ray_local, tmp_path_factory):
     made: dict[str, Setup] = {}
 
     def get(kind: str) -> Setup:
