@@ -9,7 +9,27 @@ One process, one run, the same weights in the same dtype on both sides
 2. batch-1 decode: tokens/s after the first token, one request;
 3. second-turn time to first token after a ~1,500-token first turn, with
    omnistage's prefix cache on vs off (``transformers`` has no cross-request
-   cache to compare with).
+   cache to compare with);
+4. where ``llama_cpp`` (llama-cpp-python) is importable: batch-1 decode on the
+   same chat prompt and greedy token count, and prompt processing of 512
+   tokens (llama-bench's ``pp512``), against llama.cpp on the very GGUF file
+   the default model is converted from, with the same thread count;
+5. resident memory (RSS) after load, each side in a fresh subprocess: the
+   engine (``LLM()``) and ``from_pretrained``, each after one short greedy
+   generation so that the weights have been read (a memory-mapped
+   checkpoint is otherwise not yet resident).
+
+llama.cpp build used for row 4 (a plain ``pip install llama-cpp-python``
+builds with ``-march=native``, which on some machines emits AMX tile loads
+that die with SIGILL)::
+
+    CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+      -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+      pip install llama-cpp-python==0.3.36 --no-cache-dir
+
+It is not a dependency of omnistage (nor of its tests); without it row 4 is
+skipped.
 
 Each measurement is repeated ``--repeat`` times with the two sides
 interleaved (ours right after the reference's, in each pair), so a burst of
@@ -25,7 +45,11 @@ Run: ``python benchmarks/bench_engine.py`` (``--quick`` for a smaller run;
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -43,7 +67,75 @@ TOPICS = [
     "a garden", "the first snow", "a violin", "a market", "bees", "a river", "the stars", "a bicycle", "a storm",
     "an island", "friendship", "a bakery", "a museum", "the forest", "a kite", "a letter", "the ocean floor",
 ]  # fmt: skip
-TARGETS = {"throughput": 1.5, "decode": 1.0, "ttft": 10.0}
+TARGETS = {"throughput": 2.5, "decode": 1.0, "ttft": 10.0, "llama_decode": 1.0, "llama_pp": 1.0}
+RSS_TARGET = 1.2  # omnistage's RSS after load at most this times transformers'
+PP_TOKENS = 512
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_probe(side: str, dtype: str) -> None:
+    """Run in a fresh subprocess: load one side, generate 4 greedy tokens, print RSS (MB) as JSON."""
+    before = rss_mb()
+    if side == "omnistage":
+        from omnistage.entrypoints.llm import LLM
+
+        llm = LLM(dtype=dtype)
+        llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    else:
+        from omnistage.models.default_model import default_model_path
+
+        hf = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=getattr(torch, dtype)).eval()
+        with torch.inference_mode():
+            hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    print(json.dumps({"before": before, "after": rss_mb()}))
+
+
+def measure_rss(side: str, dtype: str, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--rss-probe", side, "--dtype", dtype, "--threads", str(threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def llama_cpp_model(threads: int):
+    """llama.cpp on the default model's own GGUF file, or ``None`` where llama_cpp is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    from omnistage.models.default_model import default_gguf_path
+
+    return Llama(
+        model_path=str(default_gguf_path()), n_ctx=2048, n_batch=PP_TOKENS, n_threads=threads,
+        n_threads_batch=threads, verbose=False,
+    )  # fmt: skip
+
+
+def llama_decode(llm, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """llama.cpp's greedy tokens/s after the first token, and its tokens."""
+    llm.reset()
+    tokens, times = [], []
+    for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        times.append(time.perf_counter())
+        tokens.append(int(tok))
+        if len(tokens) == new_tokens + 1:
+            break
+    return new_tokens / (times[-1] - times[0]), tokens[1:]
+
+
+def llama_prefill(llm, prompt: list[int]) -> float:
+    """llama.cpp's prompt tokens/s on one batch of ``prompt`` (llama-bench's ppN)."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    return len(prompt) / (time.perf_counter() - t0)
+
 
 
 def run_engine(engine: LLMEngine, prompts: list, params: SamplingParams, tag: str) -> tuple[float, list]:
@@ -99,9 +191,17 @@ def main() -> None:
     ap.add_argument(
         "--hf-path", action="store_true", help="run omnistage on HF's modules instead of its lean forward (comparison)"
     )
+    ap.add_argument("--rss-probe", choices=["omnistage", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows even if llama_cpp imports")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.rss_probe:
+        rss_probe(args.rss_probe, args.dtype)
+        return
+    threads = torch.get_num_threads()
+    # 5. Memory first, in fresh processes (nothing of this one's is shared with them).
+    rss = {side: measure_rss(side, args.dtype, threads) for side in ("transformers", "omnistage")}
     reps = range(args.repeat)
     n_prompts, new_tokens, prefix_len = (8, 16, 500) if args.quick else (32, 64, 1500)
 
@@ -176,6 +276,45 @@ def main() -> None:
         ttft_ratios.append(last[False] / last[True])
     del engines
 
+    # 4. Against llama.cpp on the same GGUF file (fp32 omnistage vs llama.cpp's quantized kernels).
+    llm_cpp = None if args.no_llama_cpp or args.dtype != "float32" else llama_cpp_model(threads)
+    llama_rows = []
+    if llm_cpp is not None:
+        pp_prompt = tok.encode(long_document(tok, PP_TOKENS + 64))[:PP_TOKENS]
+        dec_cpp, dec_os2, pp_cpp, pp_os, cpp_equal = [], [], [], [], []
+        for r in reps:
+            cpp_rate, cpp_tokens = llama_decode(llm_cpp, one[0], new_tokens * 2)
+            dec_cpp.append(cpp_rate)
+            long_single = SamplingParams(temperature=0.0, max_tokens=new_tokens * 2 + 1, ignore_eos=True)
+            _, (o,) = run_engine(engine, [{"prompt_token_ids": one[0]}], long_single, f"cppdec{r}")
+            dec_os2.append(new_tokens * 2 / (o.metrics.finished_time - o.metrics.first_token_time))
+            cpp_equal.append(sum(a == b for a, b in zip(cpp_tokens, o.outputs[0].token_ids[1:], strict=False)))
+            pp_cpp.append(llama_prefill(llm_cpp, pp_prompt))
+            # A different first token each run, so no prefix-cache hit.
+            t, _ = run_engine(
+                engine, [{"prompt_token_ids": [pp_prompt[0] + r + 1] + pp_prompt[1:]}],
+                SamplingParams(temperature=0.0, max_tokens=1), f"pp{r}",
+            )  # fmt: skip
+            pp_os.append(PP_TOKENS / t)
+        llama_rows = [
+            (
+                "batch-1 decode vs llama.cpp, tok/s",
+                f"{len(one[0])} prompt, {new_tokens * 2} tokens",
+                max(dec_os2),
+                max(dec_cpp),
+                statistics.median(a / b for a, b in zip(dec_os2, dec_cpp)),
+                "llama_decode",
+            ),
+            (
+                "prompt processing vs llama.cpp, tok/s",
+                f"pp{PP_TOKENS}",
+                max(pp_os),
+                max(pp_cpp),
+                statistics.median(a / b for a, b in zip(pp_os, pp_cpp)),
+                "llama_pp",
+            ),
+        ]
+
     def ratios(ours: list[float], ref: list[float]) -> float:
         return statistics.median(a / b for a, b in zip(ours, ref))
 
@@ -197,6 +336,7 @@ def main() -> None:
             statistics.median(ttft_ratios),
             "ttft",
         ),
+        *llama_rows,
     ]
     forward = "lean forward" if loaded.model.use_lean else "HF modules"
     if native_kernels() is not None:
@@ -223,6 +363,22 @@ def main() -> None:
             "the equality above is informational there, and checked exactly in fp32)"
         )
     print("reference = transformers generate (rows 1-2), omnistage with the prefix cache off (row 3)")
+    if llama_rows:
+        print(
+            f"llama.cpp rows: llama-cpp-python on {len(one[0])}-token chat prompt / {PP_TOKENS} document tokens, "
+            f"{threads} threads, same GGUF; first {new_tokens * 2} greedy tokens equal to omnistage's: "
+            f"{min(cpp_equal)}/{new_tokens * 2} (worst run; llama.cpp rounds activations to 8 bits: paths may part)"
+        )
+    else:
+        print("llama.cpp rows skipped (llama_cpp not importable, --no-llama-cpp, or not float32)")
+    ours_rss, ref_rss = rss["omnistage"]["after"], rss["transformers"]["after"]
+    ok = "yes" if ours_rss <= RSS_TARGET * ref_rss else "NO"
+    print(
+        f"RSS after load + 4 tokens, MB (fresh processes): omnistage LLM() {ours_rss:.0f}, transformers "
+        f"from_pretrained {ref_rss:.0f} (both {rss['omnistage']['before']:.0f}/{rss['transformers']['before']:.0f} "
+        f"at start): {ours_rss / ref_rss:.2f}x, target <= {RSS_TARGET}x  {ok}"
+    )
+    print(f"machine load (uptime): {open('/proc/loadavg').read().split()[:3]}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ contiguously, and only appends the new token to it.
 
 from __future__ import annotations
 
+import math
+import mmap
 import weakref
 from dataclasses import dataclass
 
@@ -44,6 +46,9 @@ def allocate_kv_caches(
     Zero-filled, not ``empty``: a read gathers whole blocks and masks the
     unused tail, and a masked NaN left over in uninitialised memory would
     still poison the output (``0 * NaN == NaN`` in the value product).
+    On CPU the zeros are the OS's: fresh anonymous pages, which become
+    resident only once written, so the pool costs memory as blocks fill
+    rather than its whole budget at start.
     """
     for name, value in (
         ("num_layers", num_layers),
@@ -55,7 +60,16 @@ def allocate_kv_caches(
         if value < 1:
             raise ValueError(f"allocate_kv_caches: {name} must be >= 1, got {value}")
     shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+    if torch.device(device).type == "cpu":
+        return [_lazy_cpu_zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor on an anonymous mapping (the tensor keeps the mapping alive)."""
+    numel = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, numel * torch.empty((), dtype=dtype).element_size()))
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 def kv_cache_bytes_per_block(

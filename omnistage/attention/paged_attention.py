@@ -26,8 +26,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from omnistage.kernels.attention import native_decode_attention
+from omnistage.kernels.decode_ops import native_kv_store
+from omnistage.kernels.native import native_kernels
 from omnistage.attention.kv_cache import (
     allocate_kv_caches,
+    DenseDecodeView,
     build_dense_view,
     dense_view,
     flat_block_rows,
@@ -327,12 +330,14 @@ def paged_attention(
     Used by the HF attention-interface function and by the lean forward
     (:mod:`omnistage.models.fast_forward`).
     """
-    write_kv(cache, key, value, md.write_slots, md.write_token_index)
     kind = md.kind
+    appended = kind == DECODE and _store_continuing_decode(cache, key, value, md)
+    if not appended:
+        write_kv(cache, key, value, md.write_slots, md.write_token_index)
     if kind != DECODE:
         invalidate_dense_view(cache)
     if kind == DECODE or kind == MIXED:
-        return _attend_cache(query, cache, md, scaling, key, value)
+        return _attend_cache(query, cache, md, scaling, key, value, appended)
     gqa = query.shape[0] != key.shape[0]
     if kind == PREFILL_SINGLE:
         # One fresh sequence: the packed batch already is its causal layout.
@@ -357,25 +362,44 @@ def _pad(x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
     return x.reshape(x.shape[0], md.num_reqs, md.max_query_len, x.shape[2]).transpose(0, 1)
 
 
-def _decode_context(
+def _continues_view(view: DenseDecodeView, md: AttentionMetadata) -> bool:
+    """Whether this decode step can read its context from ``view`` (the previous step's)."""
+    return (
+        view.valid and view.key == md.prev_step_key and view.keys.shape[1] == md.num_reqs
+        and view.keys.shape[2] >= md.kv_len
+    )  # fmt: skip
+
+
+def _store_continuing_decode(
     cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata
+) -> bool:
+    """For a decode step that continues the layer's dense view: this step's keys/values into the
+    paged cache and the view in one native call. ``False`` (nothing written) otherwise."""
+    if md.step_key is None or md.write_token_index is not None or native_kernels() is None:
+        return False
+    view = dense_view(cache)
+    if not _continues_view(view, md):
+        return False
+    index = md.dense_index(view.keys.shape[2])
+    return native_kv_store(key, value, cache, md.write_slots, (view.keys, view.values, index))
+
+
+def _decode_context(
+    cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata, appended: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys/values ``[Hkv, R, kv_len, D]`` of a decode step, from the layer's dense view when
     this step continues the previous one (appending ``key``/``value``, this step's
-    ``[Hkv, R, D]``), else gathered from the blocks (and a view built for the next steps)."""
+    ``[Hkv, R, D]``, unless ``appended`` says that is done), else gathered from the blocks
+    (and a view built for the next steps)."""
     view = dense_view(cache)
     r, kv_len = md.num_reqs, md.kv_len
-    if (
-        view.valid
-        and view.key == md.prev_step_key
-        and view.keys.shape[1] == r
-        and view.keys.shape[2] >= kv_len
-    ):
-        capacity = view.keys.shape[2]
-        heads, dim = view.keys.shape[0], view.keys.shape[3]
-        index = md.dense_index(capacity)
-        view.keys.view(heads, r * capacity, dim).index_copy_(1, index, key)
-        view.values.view(heads, r * capacity, dim).index_copy_(1, index, value)
+    if _continues_view(view, md):
+        if not appended:
+            capacity = view.keys.shape[2]
+            heads, dim = view.keys.shape[0], view.keys.shape[3]
+            index = md.dense_index(capacity)
+            view.keys.view(heads, r * capacity, dim).index_copy_(1, index, key)
+            view.values.view(heads, r * capacity, dim).index_copy_(1, index, value)
         k, v = view.keys[:, :, :kv_len], view.values[:, :, :kv_len]
     else:
         k, v = gather_kv(cache, md.flat_gather_ids(cache.shape[1], cache.shape[2]), r)
@@ -396,6 +420,7 @@ def _attend_cache(
     scaling: float | None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    appended: bool = False,
 ) -> torch.Tensor:
     """Queries ``[H, T, D]`` over each sequence's cached blocks (decode, chunked prefill, prefix hits).
 
@@ -413,7 +438,7 @@ def _attend_cache(
     group = num_heads // num_kv_heads
     r, lq = md.num_reqs, md.max_query_len
     if md.step_key is not None and key is not None:
-        k, v = _decode_context(cache, key, value, md)
+        k, v = _decode_context(cache, key, value, md, appended)
     else:
         k, v = gather_kv(cache, md.flat_gather_ids(num_kv_heads, cache.shape[2]), r)
         if md.single_kv_len is not None:

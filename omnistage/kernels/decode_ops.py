@@ -7,7 +7,10 @@ their arithmetic at decode sizes (``csrc/decode_ops.cpp``):
   scale, weight); only the order in which the squares are summed differs;
 - :func:`native_rope`: ``x * cos + roll(x, D/2, -1) * sin``, bit-identical;
 - :func:`native_silu_mul`: ``silu(gate) * up``, with ``exp`` rounded by the
-  kernels' own ``exp`` (within an ulp or two of torch's).
+  kernels' own ``exp`` (within an ulp or two of torch's);
+- :func:`native_kv_store`: a decode step's new keys/values into the paged
+  cache and the layer's dense decode view at once (four ``index_copy_``
+  calls before), plain copies.
 
 Callers check :func:`omnistage.kernels.native.native_kernels` first; these
 functions assume it is not ``None``.
@@ -19,7 +22,7 @@ import torch
 
 from omnistage.kernels.native import native_kernels
 
-__all__ = ["native_rms_norm", "native_rope", "native_silu_mul"]
+__all__ = ["native_kv_store", "native_rms_norm", "native_rope", "native_silu_mul"]
 
 
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,3 +56,39 @@ def native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inter), dtype=gate_up.dtype)
     native_kernels().silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def native_kv_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> bool:
+    """Copy fp32 ``key``/``value`` ``[Hkv, T, D]`` (rows contiguous) to ``slots`` of ``cache``
+    ``[2, Hkv, blocks, block_size, D]`` and, with ``dense = (keys, values, index)``, to rows
+    ``index`` of the contiguous ``[Hkv, R, capacity, D]`` dense view. ``False`` (nothing
+    written) where a layout or dtype does not fit the kernel; the caller copies then."""
+    heads, tokens, dim = key.shape
+    tensors = [key, value, cache] + ([dense[0], dense[1]] if dense is not None else [])
+    indices = [slots] + ([dense[2]] if dense is not None else [])
+    if (
+        any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+        or key.stride(2) != 1
+        or value.stride(2) != 1
+        or not cache.is_contiguous()
+        or any(i.dtype != torch.int64 or not i.is_contiguous() or i.numel() != tokens for i in indices)
+        or (dense is not None and not (dense[0].is_contiguous() and dense[1].is_contiguous()))
+    ):
+        return False
+    dense_k = dense_v = dense_index = None
+    dense_hs = 0
+    if dense is not None:
+        dense_k, dense_v, dense_index = (t.data_ptr() for t in dense)
+        dense_hs = dense[0][0].numel()
+    native_kernels().kv_store(
+        key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+        heads, tokens, dim, cache[0].data_ptr(), cache[1].data_ptr(), cache[0][0].numel(), slots.data_ptr(),
+        dense_k, dense_v, dense_hs, dense_index,
+    )  # fmt: skip
+    return True

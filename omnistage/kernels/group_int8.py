@@ -23,7 +23,7 @@ import torch
 
 from omnistage.kernels.native import native_kernels
 
-__all__ = ["GROUP", "TILE", "GroupInt8Weight", "encode_group_int8", "group_int8_matmul"]
+__all__ = ["GROUP", "TILE", "GroupInt8Weight", "encode_group_int8", "group_int8_matmul", "group_int8_rows"]
 
 GROUP = 32  # weights per (d, m) pair, along the input dimension (GGUF's block size)
 TILE = 32  # output columns per kernel tile
@@ -100,3 +100,17 @@ def group_int8_matmul(x: torch.Tensor, weight: GroupInt8Weight) -> torch.Tensor:
         weight.m.data_ptr(), out.data_ptr(), weight.out_features, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def group_int8_rows(weight: GroupInt8Weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the fp32 weight, ``[len(ids), K]``: an embedding lookup on the int8 form.
+
+    Bit-identical to ``weight.dequantize()[ids]`` (``d * q`` is exact, ``+ m``
+    rounds once), reading 1.25 bytes per weight of the rows asked for.
+    """
+    ids = ids.reshape(-1).to(torch.int64)
+    tile, col = ids // TILE, ids % TILE
+    q = weight.q[tile, :, col]  # [T, K]
+    d = weight.d[tile, :, col].repeat_interleave(GROUP, dim=1)
+    m = weight.m[tile, :, col].repeat_interleave(GROUP, dim=1)
+    return q.float().mul_(d).add_(m)

@@ -1,8 +1,10 @@
 """The engine's view of a Hugging Face ``*ForCausalLM``.
 
-The HF modules hold the weights. For Llama, Qwen2 and Qwen3 a lean forward
-(:mod:`omnistage.models.fast_forward`) runs the decoder math over those same
-weights with far fewer ops per layer; any other model runs HF's own modules
+For Llama, Qwen2 and Qwen3 a lean forward
+(:mod:`omnistage.models.fast_forward`) runs the decoder math with far fewer
+ops per layer, over the HF modules' weights or, for GGUF-quantized ones,
+over their exact group-int8 form alone (the HF copies released, and rebuilt
+before anything runs the HF modules); any other model runs HF's own modules
 with their attention function swapped for omnistage's paged one
 (:data:`~omnistage.attention.paged_attention.ATTN_IMPL`), on a step's packed tokens as
 a batch of one. The LM head is kept apart so the runner computes logits only
@@ -58,8 +60,23 @@ class CausalLM:
         if lean is None:
             lean = envs.lean_forward_enabled()
         self._lean: LeanDecoder | None = lean_decoder_or_none(hf_model) if lean else None
-        # Switch to the HF path at any time; the lean one needs a supported model.
-        self.use_lean = self._lean is not None
+        self._use_lean = self._lean is not None
+
+    @property
+    def use_lean(self) -> bool:
+        """Whether steps run the lean forward; set ``False`` (any time) for the HF modules."""
+        return self._use_lean
+
+    @use_lean.setter
+    def use_lean(self, value: bool) -> None:
+        if not value:
+            self._hf_weights()
+        self._use_lean = bool(value) and self._lean is not None
+
+    def _hf_weights(self) -> None:
+        """Make sure the HF modules hold their weights (the lean forward may have released them)."""
+        if self._lean is not None and not self._lean.holds_hf_weights:
+            self._lean.restore_hf_weights()
 
     @property
     def lean(self) -> LeanDecoder | None:
@@ -68,6 +85,8 @@ class CausalLM:
 
     @property
     def hf_model(self) -> PreTrainedModel:
+        """The HF model, with its weights (rebuilt first if the lean forward had released them)."""
+        self._hf_weights()
         return self._hf
 
     @property
@@ -120,8 +139,9 @@ class CausalLM:
         """
         if len(kv_caches) != self._num_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for a model with {self._num_layers} layers")
-        if self.use_lean and self._lean is not None and positions.dim() == 1:
+        if self._use_lean and positions.dim() == 1:
             return self._lean.forward(input_ids, positions, attn_metadata, kv_caches, inputs_embeds)
+        self._hf_weights()
         position_ids = positions[None] if positions.dim() == 1 else positions[:, None]  # batch dim of one
         with attention_context(attn_metadata, kv_caches):
             if inputs_embeds is not None:
@@ -134,8 +154,9 @@ class CausalLM:
 
     def _head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype, through the lean forward's head when it runs."""
-        if self.use_lean and self._lean is not None and hidden_states.dim() == 2:
+        if self._use_lean and hidden_states.dim() == 2:
             return self._lean.lm_head(hidden_states)
+        self._hf_weights()
         return self._lm_head(hidden_states)
 
     @torch.inference_mode()
@@ -156,4 +177,6 @@ class CausalLM:
     @torch.inference_mode()
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, hidden]`` input embeddings."""
+        if self._lean is not None:
+            return self._lean.embed_ids(input_ids)
         return self._embed(input_ids)

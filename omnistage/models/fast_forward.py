@@ -17,10 +17,14 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
   1.1-1.5x); for 4+ rows (batched decode, prefill) the gate/up and LM-head
   matmuls use a oneDNN-prepacked copy of the weight (:class:`PackedLinear`);
 - fp32 on CPU with the native kernels (:mod:`omnistage.kernels`):
-  weights loaded from a ``Q4_1`` / ``Q8_0`` GGUF file (the embedded
-  default model) multiply, up to ``INT8_MAX_ROWS`` rows (decode steps), on
-  the group-int8 kernel, which rebuilds exactly the same fp32 weights from
-  1.25 bytes each instead of streaming 4; RMSNorm, RoPE and SiLU-times-up
+  a weight loaded from a ``Q4_1`` / ``Q8_0`` GGUF file (the embedded
+  default model) is kept *only* in its exact group-int8 form, 1.25 bytes
+  per weight instead of 4, and every matmul over it, decode row or prefill
+  tile, runs on the group-int8 kernel, which rebuilds exactly the same fp32
+  weights in registers (as fast as oneDNN's fp32 kernels from 1 to 512+
+  rows on SmolLM2's shapes, single-threaded). The HF module's fp32 copy
+  is then released (see *Weight ownership* below); a tied embedding is
+  looked up from the same int8 rows. RMSNorm, RoPE and SiLU-times-up
   are one native call each instead of two to six torch ops, and decode
   attention one pass per KV head and sequence;
 - bf16 on CPU: weights keep their layout and every matmul, from one row
@@ -38,6 +42,16 @@ summation orders. The native calls add two more: the order in which
 RMSNorm and softmax sum, and the rounding of their own ``exp`` (SiLU,
 softmax); RoPE stays bit-identical.
 
+Weight ownership (memory): each matmul weight exists once, in the form its
+matmul reads. Where the group-int8 form is exact, the lean decoder owns it
+and the HF ``Linear`` / ``Embedding`` parameters are replaced by one-element
+placeholders of the right shape; :meth:`LeanDecoder.restore_hf_weights`
+(called by :class:`~omnistage.models.adapter.CausalLM` before anything runs
+the HF modules: ``use_lean = False``, an M-RoPE step, ``hf_model``) rebuilds
+their fp32 weights bit for bit. Elsewhere the HF parameters are views of
+the lean decoder's fused weights, plus, where prepacking is on, one
+oneDNN copy of the gate/up and LM-head weights (fp32) or of all (bf16).
+
 Only the exact HF classes listed in :data:`LEAN_MODEL_CLASSES` qualify
 (checked per layer); anything else keeps the HF modeling path.
 """
@@ -53,7 +67,7 @@ from transformers import PreTrainedModel
 
 from omnistage import envs
 from omnistage.kernels.decode_ops import native_rms_norm, native_rope, native_silu_mul
-from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul
+from omnistage.kernels.group_int8 import GroupInt8Weight, encode_group_int8, group_int8_matmul, group_int8_rows
 from omnistage.kernels.native import native_kernels
 from omnistage.attention.paged_attention import AttentionMetadata, paged_attention
 
@@ -68,8 +82,6 @@ PREPACK_MAX_BYTES_ENV = envs.PREPACK_MAX_BYTES.name
 # In bf16 oneDNN's kernels win at every size.
 PREPACK_MIN_ROWS = 4
 PREPACK_MAX_ROWS = 512
-# Rows up to which the group-int8 kernel beats the fp32 ones (measured crossover 64-96 rows).
-INT8_MAX_ROWS = 64
 
 # model class -> (decoder layer class, attention class) names it must be made of.
 LEAN_MODEL_CLASSES = {
@@ -90,17 +102,17 @@ class PackedLinear:
     weight, and so do long prefill chunks, where MKL was as fast or faster.
     bf16: the packed weight serves every input size.
 
-    With ``int8`` (fp32 on CPU) the weight's exact group-int8 form is
-    looked for, and when found serves every input of up to
-    ``INT8_MAX_ROWS`` rows (above that the fp32 kernels are faster).
+    Built from a :class:`GroupInt8Weight` instead (:meth:`from_int8`), it
+    holds no fp32 weight at all (``weight`` is ``None``) and every input
+    runs on the group-int8 kernel.
     """
 
     __slots__ = ("weight", "bias", "packed", "min_rows", "max_rows", "int8")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, int8: bool = False) -> None:
-        self.weight = weight.detach()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
+        self.weight: torch.Tensor | None = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        self.int8 = encode_group_int8(self.weight) if int8 else None
+        self.int8: GroupInt8Weight | None = None
         self.packed = None
         if prepack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
@@ -108,8 +120,21 @@ class PackedLinear:
         self.min_rows = 1 if reduced else PREPACK_MIN_ROWS
         self.max_rows = 1 << 62 if reduced else PREPACK_MAX_ROWS
 
+    @classmethod
+    def from_int8(cls, weight: GroupInt8Weight, bias: torch.Tensor | None) -> PackedLinear:
+        """A linear that keeps only ``weight``'s group-int8 form."""
+        lin = cls.__new__(cls)
+        lin.weight, lin.packed, lin.int8 = None, None, weight
+        lin.bias = None if bias is None else bias.detach()
+        lin.min_rows, lin.max_rows = 1, 0
+        return lin
+
+    @property
+    def out_features(self) -> int:
+        return self.int8.out_features if self.int8 is not None else self.weight.shape[0]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and x.shape[0] <= INT8_MAX_ROWS:
+        if self.int8 is not None:
             y = group_int8_matmul(x, self.int8)
             return y if self.bias is None else y.add_(self.bias)
         if self.packed is not None and self.min_rows <= x.shape[0] <= self.max_rows:
@@ -185,6 +210,24 @@ def _fuse(linears: Sequence[torch.nn.Linear], transpose: bool) -> tuple[torch.Te
     return weight, bias
 
 
+def _own_remaining_tensors(hf_model: PreTrainedModel, keep: Sequence[torch.Tensor]) -> None:
+    """Copy the HF model's other parameters and buffers (norms, biases, tables) out of the checkpoint.
+
+    A CPU checkpoint is loaded as views into the memory-mapped safetensors
+    file, and while any one tensor views it the whole mapping stays, with
+    every page that building the lean weights read counted as resident
+    (the full fp32 file: ~540 MB for SmolLM2-135M). Copying the few small
+    tensors left lets it go. ``keep`` (weights the lean decoder shares with
+    the HF modules) and released placeholders stay as they are.
+    """
+    kept = {w.untyped_storage().data_ptr() for w in keep}
+    with torch.no_grad():
+        for t in [*hf_model.parameters(), *hf_model.buffers()]:
+            if t.device.type != "cpu" or 0 in t.stride() or t.untyped_storage().data_ptr() in kept:
+                continue
+            t.data = t.data.clone()
+
+
 def lean_decoder_or_none(hf_model: PreTrainedModel) -> LeanDecoder | None:
     """A :class:`LeanDecoder` for ``hf_model`` when it is exactly a supported HF class, else ``None``."""
     names = LEAN_MODEL_CLASSES.get(type(hf_model).__name__)
@@ -228,28 +271,50 @@ class LeanDecoder:
         cpu = self.embed.weight.device.type == "cpu"
         transpose = cpu and self.embed.weight.dtype == torch.float32
         lm_head = hf_model.get_output_embeddings()
-        fused = [
+        # fp32 on CPU: weights with an exact group-int8 form live only in that form (their HF
+        # copies released), and the elementwise steps run as native calls.
+        int8 = self.native_ops = transpose and native_kernels() is not None
+        # (linear, HF modules whose weights it holds) for every weight the HF modules gave up.
+        self._released: list[tuple[PackedLinear, list[torch.nn.Module]]] = []
+        groups = [
             (
-                _fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], transpose),
-                _fuse([layer.mlp.gate_proj, layer.mlp.up_proj], transpose),
-                _fuse([layer.self_attn.o_proj], transpose),
-                _fuse([layer.mlp.down_proj], transpose),
+                [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                [layer.mlp.gate_proj, layer.mlp.up_proj],
+                [layer.self_attn.o_proj],
+                [layer.mlp.down_proj],
             )
             for layer in base.layers
         ]
-        # A tied LM head is the embedding itself: transposing it slows only the embedding
-        # lookup (a strided row gather, ~30 ms for a 2,048-token step of SmolLM2).
-        lm_w, lm_b = _fuse([lm_head], transpose)
+        owned = [tuple(self._own_int8(g) if int8 else None for g in layer) for layer in groups]
+        lm_int8 = self._own_int8([lm_head]) if int8 else None
+        # A tied LM head is the embedding itself: its int8 rows serve the lookup too. Otherwise an
+        # embedding with the exact form keeps only that form (a lookup reads a few rows of it).
+        tied = lm_head.weight is self.embed.weight
+        self.embed_int8 = lm_int8.int8 if lm_int8 is not None and tied else None
+        if int8 and not tied:
+            self.embed_int8 = self._own_rows_int8(self.embed)
+        fused = [
+            tuple(o if o is not None else _fuse(g, transpose) for g, o in zip(layer, own))
+            for layer, own in zip(groups, owned)
+        ]
+        # A fp32 tied LM head transposed slows only the embedding lookup (a strided row
+        # gather, ~30 ms for a 2,048-token step of SmolLM2).
+        lm = lm_int8 if lm_int8 is not None else _fuse([lm_head], transpose)
         # fp32 prepacks the gate/up and LM-head weights, where oneDNN beats MKL; bf16 prepacks all.
         prepack_all = not transpose
-        packed = [w for ws in fused for w, _ in ws] if prepack_all else [gate_up for _, (gate_up, _), _, _ in fused]
-        self.prepack = prepack_enabled(packed + [lm_w])
+        candidates = [ws for layer in fused for ws in (layer if prepack_all else layer[1:2])] + [lm]
+        plain = [w for w, _ in (c for c in candidates if isinstance(c, tuple))]
+        self.prepack = prepack_enabled(plain)
         pack_rest = self.prepack and prepack_all  # q/k/v, o and down
-        # fp32 on CPU: weights with an exact group-int8 form decode on the native kernel, and the
-        # elementwise steps run as native calls.
-        int8 = self.native_ops = transpose and native_kernels() is not None
-        self.lm_head = PackedLinear(lm_w, lm_b, self.prepack, int8)
-        for layer, ((w_qkv, b_qkv), (w_gu, _), (w_o, b_o), (w_down, b_down)) in zip(base.layers, fused):
+        if cpu:
+            shared = [ws[0] for layer in fused for ws in layer if isinstance(ws, tuple)]
+            _own_remaining_tensors(hf_model, keep=shared + ([lm[0]] if isinstance(lm, tuple) else []))
+
+        def linear(weight: PackedLinear | tuple[torch.Tensor, torch.Tensor | None], pack: bool) -> PackedLinear:
+            return weight if isinstance(weight, PackedLinear) else PackedLinear(weight[0], weight[1], pack)
+
+        self.lm_head = linear(lm, self.prepack)
+        for layer, (qkv, gate_up, o, down) in zip(base.layers, fused):
             attn = layer.self_attn
             self.head_dim = int(attn.head_dim)
             qk_norm, qk_eps = None, 0.0
@@ -267,18 +332,73 @@ class LeanDecoder:
                 _Layer(
                     in_norm=layer.input_layernorm.weight.detach(),
                     in_eps=float(layer.input_layernorm.variance_epsilon),
-                    qkv=PackedLinear(w_qkv, b_qkv, pack_rest, int8),
+                    qkv=linear(qkv, pack_rest),
                     qk_norm=qk_norm,
                     qk_eps=qk_eps,
-                    o=PackedLinear(w_o, b_o, pack_rest, int8),
+                    o=linear(o, pack_rest),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
                     post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-                    gate_up=PackedLinear(w_gu, None, self.prepack, int8),
-                    down=PackedLinear(w_down, b_down, pack_rest, int8),
+                    gate_up=linear(gate_up, self.prepack),
+                    down=linear(down, pack_rest),
                     scaling=float(attn.scaling),
                 )
             )
-        self.intermediate = int(self.layers[0].gate_up.weight.shape[0] // 2)
+        self.intermediate = int(self.layers[0].gate_up.out_features // 2)
+
+    def _own_int8(self, linears: Sequence[torch.nn.Linear]) -> PackedLinear | None:
+        """The fused linear over ``linears`` in its exact group-int8 form, taking their
+        weights over (released from the HF modules), or ``None`` where there is no such form."""
+        with torch.no_grad():
+            weights = [m.weight.detach() for m in linears]
+            enc = encode_group_int8(torch.cat(weights) if len(weights) > 1 else weights[0])
+            if enc is None:
+                return None
+            bias = None
+            if any(m.bias is not None for m in linears):
+                bias = torch.cat(
+                    [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
+                )
+        del weights
+        lin = PackedLinear.from_int8(enc, bias)
+        self._release(lin, list(linears))
+        return lin
+
+    def _own_rows_int8(self, embedding: torch.nn.Embedding) -> GroupInt8Weight | None:
+        """An untied embedding's exact group-int8 form (its HF weight released), or ``None``."""
+        enc = encode_group_int8(embedding.weight.detach())
+        if enc is not None:
+            self._release(PackedLinear.from_int8(enc, None), [embedding])
+        return enc
+
+    def _release(self, lin: PackedLinear, modules: list[torch.nn.Module]) -> None:
+        # One-element placeholders keep shape, dtype and device for code that reads them.
+        for m in modules:
+            m.weight.data = m.weight.new_zeros(()).expand(m.weight.shape)
+        self._released.append((lin, modules))
+
+    @property
+    def holds_hf_weights(self) -> bool:
+        """Whether every HF module has its own weights (none released to the int8 form)."""
+        return not self._released
+
+    def restore_hf_weights(self) -> None:
+        """Give the HF modules back their fp32 weights, rebuilt bit for bit from the int8 forms
+        (before anything runs them; the lean decoder keeps reading its int8 weights)."""
+        with torch.no_grad():
+            for lin, modules in self._released:
+                weight = lin.int8.dequantize()
+                start = 0
+                for m in modules:
+                    n = m.weight.shape[0]
+                    m.weight.data = weight[start : start + n]
+                    start += n
+        self._released = []
+
+    def embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` input embeddings (from the int8 rows when the lean decoder owns them)."""
+        if self.embed_int8 is not None and self._released:
+            return group_int8_rows(self.embed_int8, input_ids)
+        return self.embed(input_ids)
 
     def rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and sign-folded ``sin``, ``[T, 1, D]`` each, from the model's rotary module.
@@ -300,7 +420,7 @@ class LeanDecoder:
         kv_caches: Sequence[torch.Tensor],
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        h = self.embed_ids(input_ids) if inputs_embeds is None else inputs_embeds
         t = h.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         nqk = nh + nkv

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.kernels.decode_ops import native_rms_norm, native_rope, native_silu_mul
+from omnistage.kernels.decode_ops import native_kv_store, native_rms_norm, native_rope, native_silu_mul
 from omnistage.kernels.native import native_kernels
 from omnistage.models.fast_forward import _rms_norm
 
@@ -48,3 +48,38 @@ def test_silu_mul_matches_torch(rows, inter):
     got = native_silu_mul(gate_up)
     want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["cache-only", "cache+dense"])
+def test_kv_store_equals_the_index_copies_it_replaces(dense):
+    gen = torch.Generator().manual_seed(int(dense))
+    heads, tokens, dim, blocks, block = 3, 4, 64, 6, 4
+    # Strided [Hkv, T, D] views, as the lean forward hands them over (transposed slices of q/k/v).
+    packed = torch.randn(tokens, 9 * dim, generator=gen)
+    key = packed[:, 3 * dim : 6 * dim].view(tokens, heads, dim).transpose(0, 1)
+    value = packed[:, 6 * dim :].view(tokens, heads, dim).transpose(0, 1)
+    cache = torch.randn(2, heads, blocks, block, dim, generator=gen)
+    slots = torch.tensor([5, 0, 17, 22])
+    want = cache.clone()
+    want[0].view(heads, -1, dim).index_copy_(1, slots, key)
+    want[1].view(heads, -1, dim).index_copy_(1, slots, value)
+    views = None
+    if dense:
+        keys, values = torch.randn(heads, tokens, 8, dim), torch.randn(heads, tokens, 8, dim)
+        index = torch.tensor([3, 8 + 0, 16 + 7, 24 + 2])
+        want_k, want_v = keys.clone(), values.clone()
+        want_k.view(heads, -1, dim).index_copy_(1, index, key)
+        want_v.view(heads, -1, dim).index_copy_(1, index, value)
+        views = (keys, values, index)
+    assert native_kv_store(key, value, cache, slots, views)
+    assert torch.equal(cache, want)
+    if dense:
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+
+
+def test_kv_store_declines_layouts_it_cannot_write():
+    cache = torch.zeros(2, 1, 2, 4, 32)
+    key = torch.randn(1, 2, 32)
+    assert not native_kv_store(key.double(), key.double(), cache.double(), torch.tensor([0, 1]), None)
+    assert not native_kv_store(key, key, cache, torch.tensor([0, 1], dtype=torch.int32), None)
+    assert torch.equal(cache, torch.zeros_like(cache))

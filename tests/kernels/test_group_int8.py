@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import omnistage.kernels.native as native
-from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul
+from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul, group_int8_rows
 
 pytestmark = pytest.mark.skipif(native.native_kernels() is None, reason="native kernels need x86-64 AVX-512 and g++")
 
@@ -50,7 +50,16 @@ def test_encode_refuses_weights_without_the_form():
     assert encode_group_int8(gguf_weight((64, 64), Q4_1).to(torch.bfloat16)) is None
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 32, 64])
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+def test_rows_are_the_fp32_rows_bit_for_bit(kind):
+    # The embedding lookup on a tied int8 LM head: any ids, repeats, every tile column.
+    w = gguf_weight((96, 160), kind)
+    ids = torch.tensor([0, 31, 32, 95, 5, 5, 64])
+    got = group_int8_rows(encode_group_int8(w), ids)
+    assert torch.equal(got.view(torch.int32), w[ids].view(torch.int32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 32, 64, 200])
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 def test_matmul_matches_fp32_linear_on_the_same_weights(rows, kind):
     w = gguf_weight((160, 288), kind, seed=rows)

@@ -76,3 +76,30 @@ void silu_mul(const float* gu, long M, long I, float* out, int threads) {
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// A decode step's new keys/values, [H, T, D] each (head stride *_hs, token stride *_ts, rows contiguous),
+// copied to row idx[t] of every head of one or two destinations: dst_k/dst_v [H, rows, D] with head
+// stride dst_hs (the paged cache's flat slots), and, unless dense_k is null, dense_k/dense_v with
+// head stride dense_hs at rows dense_idx[t] (the layer's dense decode view). Plain copies.
+void kv_store(const float* k, long k_hs, long k_ts, const float* v, long v_hs, long v_ts, long H, long T, long D,
+              float* dst_k, float* dst_v, long dst_hs, const int64_t* idx, float* dense_k, float* dense_v,
+              long dense_hs, const int64_t* dense_idx) {
+    for (long h = 0; h < H; h++) {
+        for (long t = 0; t < T; t++) {
+            const float* ks = k + h * k_hs + t * k_ts;
+            const float* vs = v + h * v_hs + t * v_ts;
+            float* dk = dst_k + h * dst_hs + idx[t] * D;
+            float* dv = dst_v + h * dst_hs + idx[t] * D;
+            for (long i = 0; i < D; i++) { dk[i] = ks[i]; dv[i] = vs[i]; }
+            if (dense_k != nullptr) {
+                float* ek = dense_k + h * dense_hs + dense_idx[t] * D;
+                float* ev = dense_v + h * dense_hs + dense_idx[t] * D;
+                for (long i = 0; i < D; i++) { ek[i] = ks[i]; ev[i] = vs[i]; }
+            }
+        }
+    }
+}
+
+}  // extern "C"
