@@ -160,8 +160,10 @@ class StageEngine:
             seed=args.seed,
             max_num_batched_tokens=args.max_num_batched_tokens,
             # Only where a hit can happen: without KV prefix caching every token is
-            # forwarded, and every row comes from the step itself.
-            enable_tensor_cache=spec.enable_tensor_cache and prefix_caching,
+            # forwarded, and every row comes from the step itself. Deferred keys are
+            # staged and committed whenever the model declares them.
+            enable_tensor_cache=spec.enable_tensor_cache
+            and (prefix_caching or bool(tensor_cache_policy_of(getattr(loaded_model, "mm_adapter", None) or loaded_model.model).deferred_keys)),
         )
 
     @staticmethod

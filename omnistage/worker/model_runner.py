@@ -115,6 +115,7 @@ class ModelRunner:
         # The declarations sit on the multimodal adapter when there is one, else on the model.
         self.stage_model = self.mm_adapter or self.model
         policy = tensor_cache_policy_of(self.stage_model)
+        self._deferred_keys = policy.deferred_keys
         self.tensor_cache: StepTensorCache | None = None
         if enable_tensor_cache and policy.caches_anything:
             self.tensor_cache = StepTensorCache(policy, num_kv_blocks, block_size, m.hidden_size, m.dtype)
@@ -239,13 +240,13 @@ class ModelRunner:
         out = self.sample(step, hidden) if not drafts else self._sample_with_drafts(step, hidden, drafts)
         if rows:
             out.hidden_states = rows
-        cache = self.tensor_cache
-        if cache is not None and cache.policy.deferred_keys:
-            # Known only now (they depend on the sampled tokens): staged until the
-            # request finishes, dropped if it is aborted or preempted first.
+        if self._deferred_keys:
+            # Known only now (they depend on the sampled tokens; the model may also need
+            # them for its next inputs): staged until the request finishes, dropped if it
+            # is aborted or preempted first.
             deferred = self.stage_model.deferred_outputs(step, hidden, out)
-            if deferred:
-                cache.stage_deferred(step, self.input_batch, deferred)
+            if deferred and self.tensor_cache is not None:
+                self.tensor_cache.stage_deferred(step, self.input_batch, deferred)
         out.failed_req_ids = dict(self._failed)
         return out
 

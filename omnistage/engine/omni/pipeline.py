@@ -21,6 +21,7 @@ from omnistage.engine.input_processor import ProcessedInputs, PromptType
 from omnistage.engine.stage import StageHeld
 from omnistage.engine.stage_engine import EngineStats, StageEngine
 from omnistage.engine.omni.stage_io import (
+    DEFAULT_SPEAKER,
     TalkerParams,
     TalkerRequest,
     ThinkerOutputForTalker,
@@ -44,6 +45,7 @@ class _Pending:
     grids: dict[str, torch.Tensor | None]  # the prompt's grids, for the talker's positions
     output: RequestOutput | None = None  # the thinker's, once finished
     codes: list[int] | None = None  # the talker's, once finished
+    talker_state: Any = None  # the talker stage's payload (Qwen3-Omni: its frames)
 
 
 class OmniPipeline:
@@ -80,6 +82,7 @@ class OmniPipeline:
         default_talker_params: TalkerParams | None,
         seed: int = 0,
         sample_rate: int = 24000,
+        default_speaker: str | None = None,
     ) -> None:
         self.stages: dict[str, StageEngine] = {"thinker": thinker}
         if talker is not None and token2wav is not None:
@@ -89,6 +92,7 @@ class OmniPipeline:
         self.default_talker_params = default_talker_params
         self.seed = seed
         self.sample_rate = sample_rate
+        self.default_speaker = default_speaker
         self._pending: dict[str, _Pending] = {}
 
     # -- what the serving code reads, as of a stage engine --------------------------
@@ -177,8 +181,9 @@ class OmniPipeline:
         if return_audio and params.n != 1:
             raise ValueError(f"request {request_id!r}: audio output supports n=1 only, got n={params.n}")
         if return_audio:
-            name = resolve_speaker(speaker, self.speakers)
-            bos = int(self.speakers[name]["bos_token"])
+            name = resolve_speaker(speaker, self.speakers, self.default_speaker or DEFAULT_SPEAKER)
+            voice = self.speakers[name]  # Qwen2.5-Omni: {"bos_token": text id, ...}; Qwen3-Omni: a codec id
+            bos = int(voice["bos_token"]) if isinstance(voice, dict) else int(voice)
             chosen = self._talker_params(talker_params)
         inputs = self.thinker.process_inputs(request_id, prompt)
         self.thinker.add_request(request_id, inputs, params, arrival_time, return_hidden_states=return_audio)
@@ -264,8 +269,10 @@ class OmniPipeline:
             )
         handoff = ThinkerOutputForTalker(rid, prompt_ids, output_ids, states, **pending.grids)
         talker = self.stages["talker"]
-        inputs = talker.process_inputs(rid, TalkerRequest(handoff, pending.speaker, pending.speaker_bos_token_id, pending.seed))
         tp = pending.talker_params
+        request = TalkerRequest(handoff, pending.speaker, pending.speaker_bos_token_id, pending.seed, tp)
+        inputs = talker.process_inputs(rid, request)
+        pending.talker_state = inputs.payload
         room = talker.max_model_len - len(inputs.prompt_token_ids)
         if room < 1:
             raise ValueError(
@@ -291,7 +298,11 @@ class OmniPipeline:
         if completion.finish_reason == "stop" and codes and codes[-1] in stops:
             codes.pop()  # the stop code is not audio
         pending.codes = codes
-        request = Token2WavRequest(out.request_id, codes, pending.speaker, pending.seed)
+        frames = getattr(pending.talker_state, "frames", None)
+        if frames is not None:
+            # The last sampled code has no frame (transformers never predicts its residual codes).
+            frames = [list(f) for f in frames[: max(0, len(completion.token_ids) - 1)]]
+        request = Token2WavRequest(out.request_id, codes, pending.speaker, pending.seed, frames)
         self.stages["token2wav"].add_request(out.request_id, request)
 
     def _fail(self, out: RequestOutput, pending: _Pending, done: list[RequestOutput]) -> None:
@@ -308,6 +319,9 @@ class OmniPipeline:
             raise RuntimeError(f"request {rid!r}: token2wav gave {audio.dtype} {audio.shape}, expected 1-D float32")
         out.audio, out.sample_rate = audio, self.sample_rate
         out.extra["codec_token_ids"] = list(pending.codes or [])
+        frames = getattr(pending.talker_state, "frames", None)
+        if frames is not None:
+            out.extra["codec_frames"] = [list(f) for f in frames[: len(pending.codes or [])]]
         out.extra["audio_time"] = time.monotonic()  # vs. out.metrics.arrival_time: time to audio
         done.append(out)
 

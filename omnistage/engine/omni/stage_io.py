@@ -42,8 +42,9 @@ class TalkerRequest:
 
     handoff: ThinkerOutputForTalker
     speaker: str
-    speaker_bos_token_id: int
+    speaker_bos_token_id: int  # Qwen2.5-Omni: the speaker's text bos id; Qwen3-Omni: its codec id
     seed: int
+    talker_params: TalkerParams | None = None
 
     @property
     def request_id(self) -> str:
@@ -58,6 +59,8 @@ class Token2WavRequest:
     codes: list[int]
     speaker: str
     seed: int
+    # Multi-codebook codecs (Qwen3-Omni): every group's code of each frame, [frames][groups].
+    frames: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,20 @@ class TalkerParams:
         )
         return base.replace(**overrides)
 
+    @classmethod
+    def qwen3_defaults(cls, talker_config: Any, **overrides: Any) -> TalkerParams:
+        """Qwen3-Omni ``generate()``'s talker defaults: temperature 0.9, top-k 50, top-p 1,
+        repetition penalty 1.05, stop at codec EOS, the top 1024 codec ids but EOS suppressed."""
+        vocab, eos = int(talker_config.text_config.vocab_size), int(talker_config.codec_eos_token_id)
+        base = cls(
+            temperature=0.9,
+            top_k=50,
+            top_p=1.0,
+            stop_token_ids=(eos,),
+            suppress_token_ids=tuple(i for i in range(max(0, vocab - 1024), vocab) if i != eos),
+        )
+        return base.replace(**overrides)
+
     def replace(self, **overrides: Any) -> TalkerParams:
         """These parameters with some fields replaced; unknown names and a
         non-positive repetition penalty are refused."""
@@ -102,13 +119,18 @@ class TalkerParams:
         return params
 
 
-def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any]) -> str:
-    """``None`` means the checkpoint's default voice: "Chelsie" when the
-    checkpoint has it (as transformers assumes), else its first speaker."""
+def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any], default: str = DEFAULT_SPEAKER) -> str:
+    """``None`` means the checkpoint's default voice: ``default`` when the
+    checkpoint has it (as transformers assumes), else its first speaker. A
+    name that differs only in case is accepted (Qwen3-Omni's are lower-case)."""
     if not speakers:
-        raise ValueError("this checkpoint has no speakers (spk_dict.pt), so it cannot produce audio")
+        raise ValueError("this checkpoint has no speakers, so it cannot produce audio")
     if speaker is None:
-        return DEFAULT_SPEAKER if DEFAULT_SPEAKER in speakers else sorted(speakers)[0]
+        speaker = default
+        if speaker not in speakers and speaker.lower() not in speakers:
+            return sorted(speakers)[0]
+    if speaker not in speakers and speaker.lower() in speakers:
+        return speaker.lower()
     if speaker not in speakers:
         raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(speakers)}")
     return speaker
