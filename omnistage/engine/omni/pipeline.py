@@ -46,6 +46,7 @@ class _Pending:
     output: RequestOutput | None = None  # the thinker's, once finished
     codes: list[int] | None = None  # the talker's, once finished
     talker_state: Any = None  # the talker stage's payload (Qwen3-Omni: its frames)
+    frames: list[list[int]] | None = None  # every code group of each frame the vocoder got (Qwen3-Omni)
 
 
 class OmniPipeline:
@@ -301,7 +302,7 @@ class OmniPipeline:
         frames = getattr(pending.talker_state, "frames", None)
         if frames is not None:
             # The last sampled code has no frame (transformers never predicts its residual codes).
-            frames = [list(f) for f in frames[: max(0, len(completion.token_ids) - 1)]]
+            frames = pending.frames = [list(f) for f in frames[: max(0, len(completion.token_ids) - 1)]]
         request = Token2WavRequest(out.request_id, codes, pending.speaker, pending.seed, frames)
         self.stages["token2wav"].add_request(out.request_id, request)
 
@@ -319,9 +320,8 @@ class OmniPipeline:
             raise RuntimeError(f"request {rid!r}: token2wav gave {audio.dtype} {audio.shape}, expected 1-D float32")
         out.audio, out.sample_rate = audio, self.sample_rate
         out.extra["codec_token_ids"] = list(pending.codes or [])
-        frames = getattr(pending.talker_state, "frames", None)
-        if frames is not None:
-            out.extra["codec_frames"] = [list(f) for f in frames[: len(pending.codes or [])]]
+        if pending.frames is not None:
+            out.extra["codec_frames"] = pending.frames
         out.extra["audio_time"] = time.monotonic()  # vs. out.metrics.arrival_time: time to audio
         done.append(out)
 
