@@ -212,6 +212,12 @@ def write_tiny_qwen3_omni(path: str | os.PathLike, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():
+        # transformers leaves the talker's experts uninitialized (torch.empty): whatever
+        # the allocator held, NaN included. Seeded values make the checkpoint a function of seed.
+        generator = torch.Generator().manual_seed(seed + 1)
+        for layer in model.talker.model.layers:
+            for param in layer.mlp.experts.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
         # Wide heads: greedy codes are then a property of the model, not of kernel rounding.
         model.talker.codec_head.weight.normal_(0.0, 1.0)
         for head in model.talker.code_predictor.lm_head:

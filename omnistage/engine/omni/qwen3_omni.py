@@ -123,7 +123,9 @@ def build_qwen3_omni_pipeline(args: EngineArgs, omni: Qwen3OmniModel, options: O
             max_requests_per_step=options.token2wav_requests_per_step,
         ),
     )
-    speakers: dict[str, Any] = dict(omni.speakers)
+    # Voices as users name them ("Ethan"); the config spells them lower-case and
+    # transformers lower-cases what it is given, as resolve_speaker matches.
+    speakers: dict[str, Any] = {name[:1].upper() + name[1:]: cid for name, cid in omni.speakers.items()}
     return OmniPipeline(
         thinker, talker, vocoder, speakers, defaults, seed=args.seed,
         sample_rate=int(omni.code2wav.sample_rate), default_speaker=DEFAULT_QWEN3_SPEAKER,

@@ -121,16 +121,16 @@ class TalkerParams:
 
 def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any], default: str = DEFAULT_SPEAKER) -> str:
     """``None`` means the checkpoint's default voice: ``default`` when the
-    checkpoint has it (as transformers assumes), else its first speaker. A
-    name that differs only in case is accepted (Qwen3-Omni's are lower-case)."""
+    checkpoint has it (as transformers assumes), else its first speaker. Names
+    match case-insensitively (transformers lower-cases Qwen3-Omni's)."""
     if not speakers:
         raise ValueError("this checkpoint has no speakers, so it cannot produce audio")
+    by_case = {name.lower(): name for name in speakers}
     if speaker is None:
         speaker = default
-        if speaker not in speakers and speaker.lower() not in speakers:
+        if speaker.lower() not in by_case:
             return sorted(speakers)[0]
-    if speaker not in speakers and speaker.lower() in speakers:
-        return speaker.lower()
+    speaker = by_case.get(speaker.lower(), speaker)
     if speaker not in speakers:
         raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(speakers)}")
     return speaker

@@ -45,7 +45,7 @@ def test_llm_from_the_folder(q3_dir: Any, bystander_alone: Any, prompts: dict) -
     llm = LLM(model=str(q3_dir), talker_params={"temperature": 0, "repetition_penalty": 1.0, "max_tokens": 10})
     assert isinstance(llm.llm_engine, OmniPipeline)
     assert llm.output_modalities == frozenset({"text", "audio"})
-    assert llm.llm_engine.voices == ("chelsie", "ethan")
+    assert llm.llm_engine.voices == ("Chelsie", "Ethan")
     out = llm.generate([prompts["bystander"]], SP, use_tqdm=False)[0]
     assert isinstance(out.audio, np.ndarray) and out.audio.dtype == np.float32 and out.audio.ndim == 1
     assert out.sample_rate == 24000 and type(out.sample_rate) is int
@@ -62,7 +62,7 @@ def test_voices_and_audio_less_requests(llm: LLM, bystander_alone: Any, prompts:
     text_only = llm.generate([p], SP, return_audio=False, use_tqdm=False)[0]
     assert text_only.audio is None and text_only.sample_rate is None
     assert text_only.outputs[0].token_ids == bystander_alone.outputs[0].token_ids
-    with pytest.raises(ValueError, match=r"unknown speaker 'Nobody'.*\['chelsie', 'ethan'\]"):
+    with pytest.raises(ValueError, match=r"unknown speaker 'Nobody'.*\['Chelsie', 'Ethan'\]"):
         llm.generate([p], SP, speaker="Nobody")
     with pytest.raises(ValueError, match="unknown talker parameters"):
         llm.generate([p], SP, talker_params={"beam_width": 3})
