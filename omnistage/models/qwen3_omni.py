@@ -20,13 +20,23 @@ from typing import Any
 import torch
 
 from omnistage.models.adapter import CausalLM
-from omnistage.models.loader import LoadedModel, eos_token_ids, hf_progress_bars_off, resolve_dtype
+from omnistage.models.loader import (
+    LoadedModel,
+    eos_token_ids,
+    hf_progress_bars_off,
+    resolve_dtype,
+)
 from omnistage.models.mm_loader import TextStackView
 from omnistage.models.qwen3_omni_code2wav import Qwen3OmniCode2Wav
 from omnistage.models.qwen3_omni_talker import PagedQwen3OmniTalker, Qwen3TalkerPrep
 from omnistage.models.qwen3_omni_thinker import Qwen3OmniThinkerAdapter
 
-__all__ = ["QWEN3_OMNI_ARCHITECTURES", "Qwen3OmniModel", "is_qwen3_omni_checkpoint", "load_qwen3_omni"]
+__all__ = [
+    "QWEN3_OMNI_ARCHITECTURES",
+    "Qwen3OmniModel",
+    "is_qwen3_omni_checkpoint",
+    "load_qwen3_omni",
+]
 
 QWEN3_OMNI_ARCHITECTURES = ("Qwen3OmniMoeForConditionalGeneration",)
 DEFAULT_QWEN3_SPEAKER = "Ethan"  # transformers' generate() default
@@ -44,7 +54,10 @@ def is_qwen3_omni_checkpoint(model: str | Path | None) -> bool:
     except (OSError, ValueError):
         return False
     architectures = set(data.get("architectures") or ())
-    return bool(architectures & set(QWEN3_OMNI_ARCHITECTURES)) or data.get("model_type") == "qwen3_omni_moe"
+    return (
+        bool(architectures & set(QWEN3_OMNI_ARCHITECTURES))
+        or data.get("model_type") == "qwen3_omni_moe"
+    )
 
 
 @dataclass
@@ -65,20 +78,30 @@ class Qwen3OmniModel:
 
     @property
     def has_audio_output(self) -> bool:
-        return self.talker is not None and self.code2wav is not None and bool(self.speakers)
+        return (
+            self.talker is not None
+            and self.code2wav is not None
+            and bool(self.speakers)
+        )
 
 
 def load_qwen3_omni(
-    model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    model: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
 ) -> Qwen3OmniModel:
     """Load a ``Qwen3OmniMoeForConditionalGeneration`` folder."""
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     path = Path(model).expanduser()
     if not is_qwen3_omni_checkpoint(path):
-        raise ValueError(f"{str(path)!r} is not a Qwen3-Omni checkpoint folder (config.json architectures)")
+        raise ValueError(
+            f"{str(path)!r} is not a Qwen3-Omni checkpoint folder (config.json architectures)"
+        )
     with hf_progress_bars_off():
-        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=resolve_dtype(dtype))
+        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            path, dtype=resolve_dtype(dtype)
+        )
     hf.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = hf.config
@@ -98,7 +121,9 @@ def load_qwen3_omni(
     )
     if not has_talker:
         return Qwen3OmniModel(thinker, None, None, None, {}, config)
-    speakers = {str(k): int(v) for k, v in (config.talker_config.speaker_id or {}).items()}
+    speakers = {
+        str(k): int(v) for k, v in (config.talker_config.speaker_id or {}).items()
+    }
     prep = Qwen3TalkerPrep(hf, adapter)
     return Qwen3OmniModel(
         thinker=thinker,

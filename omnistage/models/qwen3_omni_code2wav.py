@@ -52,7 +52,9 @@ class Qwen3OmniCode2Wav:
         self.receptive_frames = self._receptive_frames(cfg)
         # Frames of left context that make a chunk exact: its first kept sample sits
         # ceil(trim / U) frames before the chunk, and sees receptive_frames before that.
-        self.left_context = self.receptive_frames + math.ceil(self.trim / self.samples_per_frame)
+        self.left_context = self.receptive_frames + math.ceil(
+            self.trim / self.samples_per_frame
+        )
 
     @property
     def device(self) -> torch.device:
@@ -65,7 +67,10 @@ class Qwen3OmniCode2Wav:
         Each (kernel ``2r``, stride ``r``) turns ``L`` inputs into ``(L - 1) * r``
         outputs; the hidden-rate ones (kernel = stride) trim nothing."""
         rates = [int(r) for r in cfg.upsample_rates]
-        return sum(r * int(np.prod(rates[i + 1 :], dtype=np.int64)) for i, r in enumerate(rates))
+        return sum(
+            r * int(np.prod(rates[i + 1 :], dtype=np.int64))
+            for i, r in enumerate(rates)
+        )
 
     @staticmethod
     def _receptive_frames(cfg: Any) -> int:
@@ -79,13 +84,17 @@ class Qwen3OmniCode2Wav:
         frames += math.ceil(6 / rate)  # decoder input conv, kernel 7
         for r in cfg.upsample_rates:
             rate *= int(r)
-            frames += math.ceil(6 * (1 + 3 + 9) / rate)  # residual units, kernel 7, dilations 1, 3, 9
+            frames += math.ceil(
+                6 * (1 + 3 + 9) / rate
+            )  # residual units, kernel 7, dilations 1, 3, 9
         frames += math.ceil(6 / rate)  # output conv, kernel 7
         return frames
 
     def num_samples(self, num_frames: int) -> int:
         """Samples of the full decode of ``num_frames`` frames."""
-        return max(0, num_frames * self.samples_per_frame - self.trim) if num_frames else 0
+        return (
+            max(0, num_frames * self.samples_per_frame - self.trim) if num_frames else 0
+        )
 
     @torch.inference_mode()
     def _run(self, codes: torch.Tensor, first_frame: int = 0) -> torch.Tensor:
@@ -93,8 +102,12 @@ class Qwen3OmniCode2Wav:
         so that a chunk's rotary phases are those of the full decode."""
         m = self.module
         hidden = m.code_embedding(codes + m.code_offset).mean(1)
-        positions = torch.arange(first_frame, first_frame + codes.shape[-1], device=codes.device)[None]
-        hidden = m.pre_transformer(inputs_embeds=hidden, position_ids=positions).last_hidden_state
+        positions = torch.arange(
+            first_frame, first_frame + codes.shape[-1], device=codes.device
+        )[None]
+        hidden = m.pre_transformer(
+            inputs_embeds=hidden, position_ids=positions
+        ).last_hidden_state
         hidden = hidden.permute(0, 2, 1)
         for blocks in m.upsample:
             for block in blocks:
@@ -107,7 +120,9 @@ class Qwen3OmniCode2Wav:
     def _as_tensor(self, codes: Any) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(codes), dtype=torch.long, device=self.device)
         if t.ndim != 2 or t.shape[0] != self.num_quantizers:
-            raise ValueError(f"code2wav: expected codes [{self.num_quantizers}, frames], got {tuple(t.shape)}")
+            raise ValueError(
+                f"code2wav: expected codes [{self.num_quantizers}, frames], got {tuple(t.shape)}"
+            )
         return t
 
     def decode(self, codes: Any) -> np.ndarray:
@@ -118,19 +133,31 @@ class Qwen3OmniCode2Wav:
         """Full decodes of several code arrays in one forward, right-padded (exact: the model is causal)."""
         tensors = [self._as_tensor(c) for c in batch]
         lengths = [t.shape[1] for t in tensors]
-        out: list[np.ndarray | None] = [np.zeros(0, dtype=np.float32) if n == 0 else None for n in lengths]
+        out: list[np.ndarray | None] = [
+            np.zeros(0, dtype=np.float32) if n == 0 else None for n in lengths
+        ]
         live = [i for i, n in enumerate(lengths) if n > 0]
         if live:
             longest = max(lengths[i] for i in live)
-            padded = torch.zeros(len(live), self.num_quantizers, longest, dtype=torch.long, device=self.device)
+            padded = torch.zeros(
+                len(live),
+                self.num_quantizers,
+                longest,
+                dtype=torch.long,
+                device=self.device,
+            )
             for row, i in enumerate(live):
                 padded[row, :, : lengths[i]] = tensors[i]
             wav = self._run(padded).cpu().numpy()
             for row, i in enumerate(live):
-                out[i] = np.ascontiguousarray(wav[row, : self.num_samples(lengths[i])], dtype=np.float32)
+                out[i] = np.ascontiguousarray(
+                    wav[row, : self.num_samples(lengths[i])], dtype=np.float32
+                )
         return out  # type: ignore[return-value]
 
-    def decode_codes(self, codes: Any, left_context: int = 0, first_frame: int | None = None) -> np.ndarray:
+    def decode_codes(
+        self, codes: Any, left_context: int = 0, first_frame: int | None = None
+    ) -> np.ndarray:
         """Samples of the new frames of a chunk, exactly as the full decode has them.
 
         ``codes`` is ``[Q, c + n]``: ``left_context = c`` frames already decoded
@@ -144,7 +171,9 @@ class Qwen3OmniCode2Wav:
         t = self._as_tensor(codes)
         c = int(left_context)
         if not 0 <= c <= t.shape[1]:
-            raise ValueError(f"decode_codes: left_context={c} outside 0..{t.shape[1]} frames")
+            raise ValueError(
+                f"decode_codes: left_context={c} outside 0..{t.shape[1]} frames"
+            )
         start = 0 if first_frame is None else int(first_frame)
         if t.shape[1] == c:
             return np.zeros(0, dtype=np.float32)
@@ -174,13 +203,21 @@ class StreamingVocoder:
         self.num_samples = 0
 
     def push(self, frames: Any) -> np.ndarray:
-        new = np.asarray(frames, dtype=np.int64).reshape(self.vocoder.num_quantizers, -1)
+        new = np.asarray(frames, dtype=np.int64).reshape(
+            self.vocoder.num_quantizers, -1
+        )
         if new.shape[1] == 0:
             return np.zeros(0, dtype=np.float32)
         c = min(self.num_frames, self.vocoder.left_context)
-        window = np.concatenate([self._history[:, self._history.shape[1] - c :], new], axis=1)
-        wav = self.vocoder.decode_codes(window, left_context=c, first_frame=self.num_frames - c)
-        self._history = np.concatenate([self._history, new], axis=1)[:, -self.vocoder.left_context :]
+        window = np.concatenate(
+            [self._history[:, self._history.shape[1] - c :], new], axis=1
+        )
+        wav = self.vocoder.decode_codes(
+            window, left_context=c, first_frame=self.num_frames - c
+        )
+        self._history = np.concatenate([self._history, new], axis=1)[
+            :, -self.vocoder.left_context :
+        ]
         self.num_frames += new.shape[1]
         self.num_samples += wav.shape[0]
         return wav

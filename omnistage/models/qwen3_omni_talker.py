@@ -121,15 +121,31 @@ class Qwen3TalkerPrep:
              self.config.thinker_config.video_token_id]
         )  # fmt: skip
         table = thinker_adapter.language_model.embed_tokens
-        special = torch.tensor([self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id])
+        special = torch.tensor(
+            [
+                self.config.tts_bos_token_id,
+                self.config.tts_eos_token_id,
+                self.config.tts_pad_token_id,
+            ]
+        )
         with torch.inference_mode():
             rows = self.talker.text_projection(table(special.to(table.weight.device)))
         self.tts_bos, self.tts_eos, self.tts_pad = (r.clone() for r in rows)
-        self._codec_ids = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
+        self._codec_ids = [
+            tc.codec_nothink_id,
+            tc.codec_think_bos_id,
+            tc.codec_think_eos_id,
+        ]
         self._codec_tail = [tc.codec_pad_id, tc.codec_bos_id]
 
     @torch.inference_mode()
-    def prepare(self, handoff: Any, speaker_id: int, greedy: bool = True, seed: int | None = None) -> Qwen3TalkerState:
+    def prepare(
+        self,
+        handoff: Any,
+        speaker_id: int,
+        greedy: bool = True,
+        seed: int | None = None,
+    ) -> Qwen3TalkerState:
         """``handoff``: a ``ThinkerOutputForTalker`` (prompt ids, output ids, the ``[P + G - 1, D]`` rows, grids)."""
         cfg = self.config
         ids = torch.tensor(handoff.prompt_token_ids, dtype=torch.long)
@@ -139,39 +155,87 @@ class Qwen3TalkerPrep:
         rows = rows.to(device)
         # Each prompt position belongs to the turn opened by the last <|im_start|> at or before it.
         pos = torch.arange(p)
-        starts = torch.where(ids == cfg.im_start_token_id, pos, torch.full_like(pos, -1))
+        starts = torch.where(
+            ids == cfg.im_start_token_id, pos, torch.full_like(pos, -1)
+        )
         previous = torch.cummax(starts, dim=0).values.clamp_min(0)
         role = ids[(previous + 1).clamp_max(p - 1)]
         user = (role == cfg.user_token_id).nonzero().flatten()
         is_mm = torch.isin(ids, self._mm_ids)
-        user_rows = torch.empty(user.numel(), self.tts_pad.shape[-1], dtype=self.tts_pad.dtype, device=device)
+        user_rows = torch.empty(
+            user.numel(),
+            self.tts_pad.shape[-1],
+            dtype=self.tts_pad.dtype,
+            device=device,
+        )
         mm_user = is_mm[user]
         if bool(mm_user.any()):
-            user_rows[mm_user.to(device)] = self.talker.hidden_projection(rows[user[mm_user]])
-        user_rows[~mm_user.to(device)] = self.talker.text_projection(rows[user[~mm_user]])
-        starts_assistant = ((ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)).nonzero()
+            user_rows[mm_user.to(device)] = self.talker.hidden_projection(
+                rows[user[mm_user]]
+            )
+        user_rows[~mm_user.to(device)] = self.talker.text_projection(
+            rows[user[~mm_user]]
+        )
+        starts_assistant = (
+            (ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)
+        ).nonzero()
         if starts_assistant.numel() == 0:
-            raise ValueError(f"request {handoff.request_id!r}: its prompt has no assistant turn for the talker")
+            raise ValueError(
+                f"request {handoff.request_id!r}: its prompt has no assistant turn for the talker"
+            )
         a = int(starts_assistant.flatten()[-1])
         assistant = self.talker.text_projection(rows[a:])
         codec_embed = self.talker.get_input_embeddings()
-        codec = codec_embed(torch.tensor([*self._codec_ids, speaker_id, *self._codec_tail], device=device))
-        text = torch.cat([assistant[:3], self.tts_pad.expand(4, -1), self.tts_bos[None], assistant[3:4]])
+        codec = codec_embed(
+            torch.tensor(
+                [*self._codec_ids, speaker_id, *self._codec_tail], device=device
+            )
+        )
+        text = torch.cat(
+            [
+                assistant[:3],
+                self.tts_pad.expand(4, -1),
+                self.tts_bos[None],
+                assistant[3:4],
+            ]
+        )
         zeros = torch.zeros(3, codec.shape[-1], dtype=codec.dtype, device=device)
         tail = text + torch.cat([zeros, codec])
         prefill = torch.cat([user_rows, tail])
         trailing = torch.cat([assistant[4:], self.tts_eos[None]])
-        talker_ids = torch.cat([ids[user], torch.full((tail.shape[0],), cfg.tts_pad_token_id, dtype=torch.long)])
+        talker_ids = torch.cat(
+            [
+                ids[user],
+                torch.full((tail.shape[0],), cfg.tts_pad_token_id, dtype=torch.long),
+            ]
+        )
         positions, delta = self._positions(talker_ids, handoff)
-        generator = None if greedy else torch.Generator(device=device).manual_seed(int(seed or 0))
-        prompt_ids = [int(self._codec_tail[0])] * prefill.shape[0]  # a suppressed id: repetition penalty sees none
+        generator = (
+            None
+            if greedy
+            else torch.Generator(device=device).manual_seed(int(seed or 0))
+        )
+        prompt_ids = [int(self._codec_tail[0])] * prefill.shape[
+            0
+        ]  # a suppressed id: repetition penalty sees none
         return Qwen3TalkerState(
-            prefill.contiguous(), positions, delta, trailing.contiguous(), self.tts_pad, prompt_ids, greedy, generator
+            prefill.contiguous(),
+            positions,
+            delta,
+            trailing.contiguous(),
+            self.tts_pad,
+            prompt_ids,
+            greedy,
+            generator,
         )
 
-    def _positions(self, talker_ids: torch.Tensor, handoff: Any) -> tuple[torch.Tensor, int]:
+    def _positions(
+        self, talker_ids: torch.Tensor, handoff: Any
+    ) -> tuple[torch.Tensor, int]:
         grids = (handoff.image_grid_thw, handoff.video_grid_thw)
-        has_mm = handoff.audio_seqlens is not None or any(g is not None and g.numel() > 0 for g in grids)
+        has_mm = handoff.audio_seqlens is not None or any(
+            g is not None and g.numel() > 0 for g in grids
+        )
         n = talker_ids.shape[0]
         if not has_mm:
             return torch.arange(n, dtype=torch.long).expand(3, -1).contiguous(), 0
@@ -199,7 +263,9 @@ class PagedQwen3OmniTalker:
         self.head_dim = self._lm.head_dim
         self.hidden_size = self._lm.hidden_size
         self.vocab_size = self._lm.vocab_size
-        self._states: list[Qwen3TalkerState] = []  # the step's, in step order (step_inputs -> deferred_outputs)
+        self._states: list[
+            Qwen3TalkerState
+        ] = []  # the step's, in step order (step_inputs -> deferred_outputs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -219,8 +285,12 @@ class PagedQwen3OmniTalker:
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if inputs_embeds is None:
-            raise ValueError("PagedQwen3OmniTalker.forward: the talker runs on inputs_embeds (step_inputs), got none")
-        return self._lm.forward(input_ids, positions, attn_metadata, kv_caches, inputs_embeds=inputs_embeds)
+            raise ValueError(
+                "PagedQwen3OmniTalker.forward: the talker runs on inputs_embeds (step_inputs), got none"
+            )
+        return self._lm.forward(
+            input_ids, positions, attn_metadata, kv_caches, inputs_embeds=inputs_embeds
+        )
 
     __call__ = forward
 
@@ -229,7 +299,9 @@ class PagedQwen3OmniTalker:
         return self._lm.compute_logits(hidden_states)
 
     @torch.inference_mode()
-    def step_inputs(self, step: StepLayout, states: Sequence[Qwen3TalkerState]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_inputs(
+        self, step: StepLayout, states: Sequence[Qwen3TalkerState]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, H]`` inputs and ``[3, T]`` positions. Token ``i`` of a request enters as:
 
         - ``i < P``: ``prefill_embeds[i]`` at ``positions[:, i]``;
@@ -239,7 +311,9 @@ class PagedQwen3OmniTalker:
         self._states = list(states)
         rows: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
-        for state, start, end in zip(states, step.num_computed_tokens.tolist(), step.seq_lens.tolist()):
+        for state, start, end in zip(
+            states, step.num_computed_tokens.tolist(), step.seq_lens.tolist()
+        ):
             p = state.num_prompt_tokens
             if start < p:
                 stop = min(end, p)
@@ -260,14 +334,18 @@ class PagedQwen3OmniTalker:
     # ------------------------------------------------------------ code predictor
 
     @torch.inference_mode()
-    def deferred_outputs(self, step: StepLayout, hidden: torch.Tensor, runner_output: Any) -> dict[str, torch.Tensor]:
+    def deferred_outputs(
+        self, step: StepLayout, hidden: torch.Tensor, runner_output: Any
+    ) -> dict[str, torch.Tensor]:
         """Run the code predictor for every request that sampled code 0 this step (see the module docstring)."""
         sampled = runner_output.req_ids
         if not sampled:
             return {}
         index = {r: i for i, r in enumerate(step.req_ids)}
         states = [self._states[index[r]] for r in sampled]
-        code0 = torch.tensor([runner_output.sampled_token_ids[r] for r in sampled], device=self.device)
+        code0 = torch.tensor(
+            [runner_output.sampled_token_ids[r] for r in sampled], device=self.device
+        )
         last = hidden.index_select(0, step.logits_indices[: len(sampled)])
         frames, embeds = self.predict_frames(last, code0, states)
         out = torch.full((step.num_tokens, self.num_code_groups), -1, dtype=torch.long)
@@ -280,7 +358,10 @@ class PagedQwen3OmniTalker:
 
     @torch.inference_mode()
     def predict_frames(
-        self, last_hidden: torch.Tensor, code0: torch.Tensor, states: Sequence[Qwen3TalkerState]
+        self,
+        last_hidden: torch.Tensor,
+        code0: torch.Tensor,
+        states: Sequence[Qwen3TalkerState],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``[B, num_code_groups]`` codes and each frame's summed code embedding ``[H]``."""
         from transformers import DynamicCache
@@ -309,11 +390,18 @@ class PagedQwen3OmniTalker:
         picked = greedy.clone()
         for i, state in enumerate(states):
             if not state.greedy:
-                picked[i] = _sample_top_k_top_p(logits[i], CODE_PREDICTOR_TOP_K, CODE_PREDICTOR_TOP_P, state.generator)
+                picked[i] = _sample_top_k_top_p(
+                    logits[i],
+                    CODE_PREDICTOR_TOP_K,
+                    CODE_PREDICTOR_TOP_P,
+                    state.generator,
+                )
         return picked
 
 
-def _sample_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator | None) -> int:
+def _sample_top_k_top_p(
+    logits: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator | None
+) -> int:
     """transformers' TopK then TopP warpers (temperature 1), then one multinomial draw."""
     scores = logits.clone()
     k = min(top_k, scores.shape[-1])

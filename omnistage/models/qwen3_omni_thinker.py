@@ -52,10 +52,15 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
 
     def __init__(self, model: Any, accept_hidden_layer: int | None = None) -> None:
         super().__init__(getattr(model, "thinker", model))
-        ids = [int(getattr(self.config, n)) for n in ("audio_token_id", "image_token_id", "video_token_id")]
+        ids = [
+            int(getattr(self.config, n))
+            for n in ("audio_token_id", "image_token_id", "video_token_id")
+        ]
         self._placeholders = torch.tensor(ids, device=self.device)
         layers = self.language_model.layers
-        self.accept_hidden_layer = len(layers) if accept_hidden_layer is None else int(accept_hidden_layer)
+        self.accept_hidden_layer = (
+            len(layers) if accept_hidden_layer is None else int(accept_hidden_layer)
+        )
         if not 1 <= self.accept_hidden_layer <= len(layers):
             raise ValueError(
                 f"accept_hidden_layer={self.accept_hidden_layer}: expected 1..{len(layers)} (the thinker's layers)"
@@ -84,9 +89,15 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
             return_dict=True,
         )
         n_window = int(self.inner.audio_tower.n_window)
-        return list(out.last_hidden_state.split([qwen3_audio_output_length(int(n), n_window) for n in lengths]))
+        return list(
+            out.last_hidden_state.split(
+                [qwen3_audio_output_length(int(n), n_window) for n in lengths]
+            )
+        )
 
-    def _rope_index(self, input_ids: torch.Tensor, features: list[MultiModalFeatureSpec]) -> tuple[torch.Tensor, Any]:
+    def _rope_index(
+        self, input_ids: torch.Tensor, features: list[MultiModalFeatureSpec]
+    ) -> tuple[torch.Tensor, Any]:
         return self.inner.get_rope_index(
             input_ids,
             image_grid_thw=self._gather(features, "image", "image_grid_thw"),
@@ -100,11 +111,19 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
     # ----------------------------------------------------- talker hand-off
 
     @torch.inference_mode()
-    def per_token_outputs(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def per_token_outputs(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
         """``[T, hidden]`` rows the talker reads, for the step's packed tokens (see the module docstring)."""
         n = input_ids.shape[0]
         is_mm = torch.isin(input_ids, self._placeholders)
         if not bool(is_mm.any()):
             return self.embed_input_ids(input_ids)
-        accepted = hidden if self._accepted is None else self._accepted.reshape(-1, hidden.shape[-1])[:n]
-        return torch.where(is_mm[:, None], accepted.to(hidden.dtype), self.embed_input_ids(input_ids))
+        accepted = (
+            hidden
+            if self._accepted is None
+            else self._accepted.reshape(-1, hidden.shape[-1])[:n]
+        )
+        return torch.where(
+            is_mm[:, None], accepted.to(hidden.dtype), self.embed_input_ids(input_ids)
+        )

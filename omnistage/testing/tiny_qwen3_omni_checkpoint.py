@@ -49,7 +49,14 @@ QWEN3_OMNI_SPECIAL_TOKENS = [
 ]  # fmt: skip
 _CODEBOOK = 64
 _CODEC_VOCAB = 1024 + _CODEBOOK
-_CODEC = {"pad": 1064, "bos": 1065, "eos": 1066, "nothink": 1067, "think_bos": 1068, "think_eos": 1069}
+_CODEC = {
+    "pad": 1064,
+    "bos": 1065,
+    "eos": 1066,
+    "nothink": 1067,
+    "think_bos": 1068,
+    "think_eos": 1069,
+}
 QWEN3_OMNI_SPEAKERS = {"ethan": 1070, "chelsie": 1071}
 _NUM_CODE_GROUPS = 4
 
@@ -89,8 +96,11 @@ def _moe_text(vocab: int, **extra: Any) -> dict[str, Any]:
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {
-            "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 1, 1], "interleaved": True,
-        },  # fmt: skip
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [2, 1, 1],
+            "interleaved": True,
+        },
         **extra,
     }
 
@@ -107,15 +117,35 @@ def _configs(ids: dict[str, int]) -> Any:
     }
     thinker = {
         "audio_config": {
-            "num_mel_bins": 128, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 64,
-            "d_model": 32, "output_dim": 32, "downsample_hidden_size": 16, "n_window": 50, "n_window_infer": 800,
-        },  # fmt: skip
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "output_dim": 32,
+            "downsample_hidden_size": 16,
+            "n_window": 50,
+            "n_window_infer": 800,
+        },
         "vision_config": {
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "patch_size": 16,
-            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32,
-            "num_position_embeddings": 64, "deepstack_visual_indexes": [1],
-        },  # fmt: skip
-        "text_config": _moe_text(320, norm_topk_prob=True, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad),
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 4,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 32,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [1],
+        },
+        "text_config": _moe_text(
+            320,
+            norm_topk_prob=True,
+            bos_token_id=pad,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        ),
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
         "audio_end_token_id": ids["<|audio_end|>"],
@@ -125,12 +155,20 @@ def _configs(ids: dict[str, int]) -> Any:
         **mm_ids,
     }
     talker = {
-        "text_config": _moe_text(_CODEC_VOCAB, norm_topk_prob=False, shared_expert_intermediate_size=32),
+        "text_config": _moe_text(
+            _CODEC_VOCAB, norm_topk_prob=False, shared_expert_intermediate_size=32
+        ),
         "code_predictor_config": {
-            "vocab_size": _CODEBOOK, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_code_groups": _NUM_CODE_GROUPS,
+            "vocab_size": _CODEBOOK,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "num_code_groups": _NUM_CODE_GROUPS,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        },  # fmt: skip
+        },
         "num_code_groups": _NUM_CODE_GROUPS,
         "thinker_hidden_size": 32,
         "accept_hidden_layer": 1,
@@ -147,11 +185,19 @@ def _configs(ids: dict[str, int]) -> Any:
         **mm_ids,
     }
     code2wav = {
-        "codebook_size": _CODEBOOK, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "sliding_window": 4, "intermediate_size": 64, "num_hidden_layers": 2, "num_quantizers": _NUM_CODE_GROUPS,
-        "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2], "decoder_dim": 32,
+        "codebook_size": _CODEBOOK,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "sliding_window": 4,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_quantizers": _NUM_CODE_GROUPS,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "decoder_dim": 32,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    }  # fmt: skip
+    }
     config = Qwen3OmniMoeConfig(
         thinker_config=thinker,
         talker_config=talker,
@@ -173,7 +219,13 @@ def _configs(ids: dict[str, int]) -> Any:
 def _processor_blocks() -> dict[str, Any]:
     from transformers import WhisperFeatureExtractor
 
-    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400)
+    audio = WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
+    )
     audio_dict = {k: v for k, v in audio.to_dict().items() if k != "mel_filters"}
     audio_dict["return_attention_mask"] = True
     unit = 16 * 2  # one merged token covers a 32x32 pixel square
@@ -181,12 +233,22 @@ def _processor_blocks() -> dict[str, Any]:
     def vision(kind: str, min_tokens: int, max_tokens: int) -> dict[str, Any]:
         lo, hi = min_tokens * unit * unit, max_tokens * unit * unit
         return {
-            kind: "Qwen2VLImageProcessor" if kind == "image_processor_type" else "Qwen2VLVideoProcessor",
-            "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "merge_size": 2, "patch_size": 16,
-            "resample": 3, "rescale_factor": 1 / 255, "size": {"longest_edge": hi, "shortest_edge": lo},
+            kind: "Qwen2VLImageProcessor"
+            if kind == "image_processor_type"
+            else "Qwen2VLVideoProcessor",
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "merge_size": 2,
+            "patch_size": 16,
+            "resample": 3,
+            "rescale_factor": 1 / 255,
+            "size": {"longest_edge": hi, "shortest_edge": lo},
             "temporal_patch_size": 2,
-        }  # fmt: skip
+        }
 
     return {
         "feature_extractor": audio_dict,
@@ -203,10 +265,14 @@ def write_tiny_qwen3_omni(path: str | os.PathLike, seed: int = 0) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     named = {
-        "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
-        "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-        "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
-    }  # fmt: skip
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "audio_token": "<|audio_pad|>",
+        "vision_bos_token": "<|vision_start|>",
+        "vision_eos_token": "<|vision_end|>",
+        "audio_bos_token": "<|audio_start|>",
+        "audio_eos_token": "<|audio_end|>",
+    }
     ids = _write_tokenizer(os.fspath(path), QWEN3_OMNI_SPECIAL_TOKENS, named, _TEMPLATE)
     config = _configs(ids)
     torch.manual_seed(seed)

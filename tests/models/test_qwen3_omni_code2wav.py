@@ -30,7 +30,9 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> Any:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     path: Path = write_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_qwen3_code2wav"))
-    return transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(path).eval()
+    return transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        path
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,9 @@ def vocoder(hf: Any) -> Qwen3OmniCode2Wav:
 
 @pytest.fixture(scope="module")
 def codes() -> np.ndarray:
-    return torch.randint(0, 64, (4, NUM_FRAMES), generator=torch.Generator().manual_seed(0)).numpy()
+    return torch.randint(
+        0, 64, (4, NUM_FRAMES), generator=torch.Generator().manual_seed(0)
+    ).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +52,17 @@ def full(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray) -> np.ndarray:
     return vocoder.decode(codes)
 
 
-def test_full_decode_equals_transformers(hf: Any, vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray) -> None:
+def test_full_decode_equals_transformers(
+    hf: Any, vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray
+) -> None:
     with torch.inference_mode():
-        ref = hf.code2wav.chunked_decode(torch.from_numpy(codes)[None], chunk_size=300, left_context_size=25)
+        ref = hf.code2wav.chunked_decode(
+            torch.from_numpy(codes)[None], chunk_size=300, left_context_size=25
+        )
     ref = ref.reshape(-1).float().numpy()
-    assert full.dtype == np.float32 and full.shape == ref.shape == (vocoder.num_samples(NUM_FRAMES),)
+    assert full.dtype == np.float32 and full.shape == ref.shape == (
+        vocoder.num_samples(NUM_FRAMES),
+    )
     assert full.shape[0] == NUM_FRAMES * 1920 - vocoder.trim and vocoder.trim == 555
     np.testing.assert_array_equal(full, ref)
     assert np.abs(full).max() > 1e-2  # audible, so the comparisons mean something
@@ -69,7 +79,9 @@ def _schedules() -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("schedule", _schedules(), ids=lambda s: "-".join(map(str, s[:6])))
+@pytest.mark.parametrize(
+    "schedule", _schedules(), ids=lambda s: "-".join(map(str, s[:6]))
+)
 def test_stream_equals_full_decode(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray,
                                    schedule: list[int]) -> None:  # fmt: skip
     assert sum(schedule) == NUM_FRAMES
@@ -80,14 +92,21 @@ def test_stream_equals_full_decode(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray
         start += n
         # Each chunk ends exactly where the full decode of the frames so far ends: no gap, no overlap.
         assert stream.num_samples == vocoder.num_samples(start)
-        np.testing.assert_allclose(part, full[stream.num_samples - part.shape[0] : stream.num_samples], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            part,
+            full[stream.num_samples - part.shape[0] : stream.num_samples],
+            rtol=0,
+            atol=1e-6,
+        )
         parts.append(part)
     joined = np.concatenate(parts)
     assert joined.dtype == np.float32 and joined.shape == full.shape
     np.testing.assert_allclose(joined, full, rtol=0, atol=1e-6)
 
 
-def test_decode_codes_with_a_later_window(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray) -> None:
+def test_decode_codes_with_a_later_window(
+    vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray
+) -> None:
     """A window that starts past frame 0 (frames 10..36, 21 of them context)."""
     c = vocoder.left_context
     part = vocoder.decode_codes(codes[:, 10:], left_context=c, first_frame=10)
@@ -96,7 +115,9 @@ def test_decode_codes_with_a_later_window(vocoder: Qwen3OmniCode2Wav, codes: np.
     np.testing.assert_allclose(part, full[lo:], rtol=0, atol=1e-6)
 
 
-def test_too_little_left_context_is_not_exact(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray) -> None:
+def test_too_little_left_context_is_not_exact(
+    vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray
+) -> None:
     """The context the vocoder asks for is needed: with far less the chunk differs
     (so the equality above is not trivially true)."""
     e0, c = 30, 2
@@ -106,16 +127,24 @@ def test_too_little_left_context_is_not_exact(vocoder: Qwen3OmniCode2Wav, codes:
     assert np.abs(part - full[lo:]).max() > 1e-4
 
 
-def test_transformers_chunked_decode_drops_samples_at_boundaries(hf: Any, full: np.ndarray, codes: np.ndarray) -> None:
+def test_transformers_chunked_decode_drops_samples_at_boundaries(
+    hf: Any, full: np.ndarray, codes: np.ndarray
+) -> None:
     with torch.inference_mode():
-        chunked = hf.code2wav.chunked_decode(torch.from_numpy(codes)[None], chunk_size=10, left_context_size=25)
+        chunked = hf.code2wav.chunked_decode(
+            torch.from_numpy(codes)[None], chunk_size=10, left_context_size=25
+        )
     num_chunks = -(-NUM_FRAMES // 10)
     assert full.shape[0] - chunked.shape[-1] == 555 * (num_chunks - 1)
 
 
-def test_batch_decode_equals_single_decodes(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray) -> None:
+def test_batch_decode_equals_single_decodes(
+    vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray
+) -> None:
     batch = vocoder.decode_batch([codes[:, :5], codes, codes[:, :0], codes[:, :20]])
-    assert [b.shape[0] for b in batch] == [vocoder.num_samples(n) for n in (5, NUM_FRAMES, 0, 20)]
+    assert [b.shape[0] for b in batch] == [
+        vocoder.num_samples(n) for n in (5, NUM_FRAMES, 0, 20)
+    ]
     np.testing.assert_allclose(batch[1], full, rtol=0, atol=1e-6)
     for got, n in ((batch[0], 5), (batch[3], 20)):
         np.testing.assert_allclose(got, vocoder.decode(codes[:, :n]), rtol=0, atol=1e-6)

@@ -43,7 +43,12 @@ class Qwen3TalkerInputs:
 
     def process(self, request_id: str, request: TalkerRequest) -> ProcessedInputs:
         greedy = request.talker_params is None or request.talker_params.temperature == 0
-        state = self.prep.prepare(request.handoff, request.speaker_bos_token_id, greedy=greedy, seed=request.seed)
+        state = self.prep.prepare(
+            request.handoff,
+            request.speaker_bos_token_id,
+            greedy=greedy,
+            seed=request.seed,
+        )
         return ProcessedInputs(None, list(state.prompt_ids), payload=state)
 
 
@@ -52,8 +57,12 @@ class Code2WavInputs:
 
     def process(self, request_id: str, request: Token2WavRequest) -> ProcessedInputs:
         if request.frames is None:
-            raise ValueError(f"code2wav request {request_id!r}: no frames (every code group of each frame)")
-        return ProcessedInputs(None, [int(f[0]) for f in request.frames] or [0], payload=request)
+            raise ValueError(
+                f"code2wav request {request_id!r}: no frames (every code group of each frame)"
+            )
+        return ProcessedInputs(
+            None, [int(f[0]) for f in request.frames] or [0], payload=request
+        )
 
 
 class Code2WavModel:
@@ -69,23 +78,41 @@ class Code2WavModel:
     def __call__(self, request: Token2WavRequest) -> dict[str, np.ndarray]:
         return {"audio": self.code2wav.decode(self._codes(request))}
 
-    def run_batch(self, requests: list[Token2WavRequest]) -> list[dict[str, np.ndarray]]:
-        return [{"audio": a} for a in self.code2wav.decode_batch([self._codes(r) for r in requests])]
+    def run_batch(
+        self, requests: list[Token2WavRequest]
+    ) -> list[dict[str, np.ndarray]]:
+        return [
+            {"audio": a}
+            for a in self.code2wav.decode_batch([self._codes(r) for r in requests])
+        ]
 
 
-def build_qwen3_omni_pipeline(args: EngineArgs, omni: Qwen3OmniModel, options: OmniOptions | None = None) -> OmniPipeline:
+def build_qwen3_omni_pipeline(
+    args: EngineArgs, omni: Qwen3OmniModel, options: OmniOptions | None = None
+) -> OmniPipeline:
     """The three stages of a loaded Qwen3-Omni checkpoint (only the thinker's without a talker)."""
     options = options or OmniOptions()
     thinker = StageEngine(
-        args, omni.thinker, StageSpec("thinker", enable_tensor_cache=options.enable_tensor_prefix_cache)
+        args,
+        omni.thinker,
+        StageSpec("thinker", enable_tensor_cache=options.enable_tensor_prefix_cache),
     )
     if not omni.has_audio_output:
-        return OmniPipeline(thinker, None, None, {}, None, seed=args.seed, default_speaker=DEFAULT_QWEN3_SPEAKER)
+        return OmniPipeline(
+            thinker,
+            None,
+            None,
+            {},
+            None,
+            seed=args.seed,
+            default_speaker=DEFAULT_QWEN3_SPEAKER,
+        )
     tc = omni.config.talker_config
     defaults = TalkerParams.qwen3_defaults(tc, **(options.talker_params or {}))
     text = tc.text_config
     max_len = options.talker_max_model_len or min(
-        int(text.max_position_embeddings), thinker.max_model_len + 16 + defaults.max_tokens
+        int(text.max_position_embeddings),
+        thinker.max_model_len + 16 + defaults.max_tokens,
     )
     talker_args = dataclasses.replace(
         args,
@@ -108,10 +135,16 @@ def build_qwen3_omni_pipeline(args: EngineArgs, omni: Qwen3OmniModel, options: O
     talker = StageEngine(
         talker_args,
         talker_model,
-        StageSpec("talker", input_processor=Qwen3TalkerInputs(omni.prep), enable_prefix_caching=False),
+        StageSpec(
+            "talker",
+            input_processor=Qwen3TalkerInputs(omni.prep),
+            enable_prefix_caching=False,
+        ),
     )
     vocoder_model = dataclasses.replace(
-        talker_model, model=Code2WavModel(omni.code2wav), name=f"{omni.thinker.name}:code2wav"  # type: ignore[arg-type]
+        talker_model,
+        model=Code2WavModel(omni.code2wav),
+        name=f"{omni.thinker.name}:code2wav",  # type: ignore[arg-type]
     )
     vocoder = StageEngine(
         dataclasses.replace(args, speculative_config=None),
@@ -125,7 +158,9 @@ def build_qwen3_omni_pipeline(args: EngineArgs, omni: Qwen3OmniModel, options: O
     )
     # Voices as users name them ("Ethan"); the config spells them lower-case and
     # transformers lower-cases what it is given, as resolve_speaker matches.
-    speakers: dict[str, Any] = {name[:1].upper() + name[1:]: cid for name, cid in omni.speakers.items()}
+    speakers: dict[str, Any] = {
+        name[:1].upper() + name[1:]: cid for name, cid in omni.speakers.items()
+    }
     return OmniPipeline(
         thinker, talker, vocoder, speakers, defaults, seed=args.seed,
         sample_rate=int(omni.code2wav.sample_rate), default_speaker=DEFAULT_QWEN3_SPEAKER,

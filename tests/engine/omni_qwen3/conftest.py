@@ -17,7 +17,13 @@ from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
 transformers = pytest.importorskip("transformers")
 
 # Block size 4 makes short prompts span several full blocks, so prefix hits are real.
-SMALL = {"block_size": 4, "max_model_len": 256, "num_kv_blocks": 256, "talker_max_model_len": 320, "max_num_seqs": 8}
+SMALL = {
+    "block_size": 4,
+    "max_model_len": 256,
+    "num_kv_blocks": 256,
+    "talker_max_model_len": 320,
+    "max_num_seqs": 8,
+}
 GREEDY_TALKER = {"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 10}
 
 
@@ -39,7 +45,9 @@ def q3_model(q3_dir: Path) -> Qwen3OmniModel:
 
 @pytest.fixture(scope="session")
 def q3_hf(q3_dir: Path) -> Any:
-    return transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(q3_dir).eval()
+    return transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        q3_dir
+    ).eval()
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +55,8 @@ def make_q3(q3_model: Qwen3OmniModel) -> Callable[..., LLM]:
     """An ``LLM`` on the shared weights; keyword arguments override ``SMALL`` and a greedy talker."""
 
     def make(**kwargs: Any) -> LLM:
-        return LLM(q3_model, **{**SMALL, "talker_params": dict(GREEDY_TALKER), **kwargs})
+        return LLM(
+            q3_model, **{**SMALL, "talker_params": dict(GREEDY_TALKER), **kwargs}
+        )
 
     return make

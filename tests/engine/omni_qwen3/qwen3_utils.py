@@ -14,12 +14,21 @@ def chat_ids(tokenizer: Any, *turns: str) -> list[int]:
     """Token ids of a chat: alternating user / assistant turns, then the generation prompt."""
     roles = ["user", "assistant"]
     messages = [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     return list(tokenizer(text).input_ids)
 
 
-def hf_generate(hf: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, talker_max_new_tokens: int,
-                speaker: str = "Ethan", **kwargs: Any) -> tuple[list[int], np.ndarray, np.ndarray]:
+def hf_generate(
+    hf: Any,
+    tokenizer: Any,
+    ids: list[int],
+    max_new_tokens: int,
+    talker_max_new_tokens: int,
+    speaker: str = "Ethan",
+    **kwargs: Any,
+) -> tuple[list[int], np.ndarray, np.ndarray]:
     """transformers' greedy ``generate`` (talker and code predictor greedy, no repetition
     penalty): ``(thinker tokens, codes [groups, frames], waveform)``."""
     captured: list[torch.Tensor] = []
@@ -39,7 +48,11 @@ def hf_generate(hf: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, ta
         )  # fmt: skip
     finally:
         del hf.code2wav.chunked_decode
-    return seq[0, len(ids) :].tolist(), captured[0][0].numpy(), wav.reshape(-1).float().numpy()
+    return (
+        seq[0, len(ids) :].tolist(),
+        captured[0][0].numpy(),
+        wav.reshape(-1).float().numpy(),
+    )
 
 
 def frames_of(out: Any) -> np.ndarray:
@@ -59,7 +72,9 @@ def assert_same_answer(a: Any, b: Any) -> None:
 
 def assert_nothing_held(llm: Any) -> None:
     held = llm.llm_engine.held()
-    assert all(h.is_empty for h in held.values()), {k: v for k, v in held.items() if not v.is_empty}
+    assert all(h.is_empty for h in held.values()), {
+        k: v for k, v in held.items() if not v.is_empty
+    }
 
 
 def run_until_idle(llm: Any, max_steps: int = 10_000) -> list[Any]:

@@ -22,10 +22,14 @@ def conversation(llm: Any) -> list[Any]:
     tok = llm.get_tokenizer()
     base = chat_ids(tok, STORY)
     first = llm.generate([{"prompt_token_ids": base}], SP, use_tqdm=False)[0]
-    follow = tok("\n<|im_start|>user\nand then what?<|im_end|>\n<|im_start|>assistant\n").input_ids
+    follow = tok(
+        "\n<|im_start|>user\nand then what?<|im_end|>\n<|im_start|>assistant\n"
+    ).input_ids
     turn2 = base + list(first.outputs[0].token_ids) + follow
     # No system turn: it shares no block with the others.
-    other = tok("<|im_start|>user\nan unrelated question<|im_end|>\n<|im_start|>assistant\n").input_ids
+    other = tok(
+        "<|im_start|>user\nan unrelated question<|im_end|>\n<|im_start|>assistant\n"
+    ).input_ids
     prompts = [{"prompt_token_ids": p} for p in (turn2, other, base)]
     return [first, *llm.generate(prompts, SP, use_tqdm=False)]
 
@@ -36,11 +40,18 @@ def _chunk(chunk: int | None) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def cache_off(make_q3: Any) -> dict[int | None, list[Any]]:
-    return {c: conversation(make_q3(enable_prefix_caching=False, **_chunk(c))) for c in (None, 16)}
+    return {
+        c: conversation(make_q3(enable_prefix_caching=False, **_chunk(c)))
+        for c in (None, 16)
+    }
 
 
-@pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prefill", "chunked-prefill-16"])
-def test_second_turn_hits_and_equals_cache_off(make_q3: Any, cache_off: dict, chunk: int | None) -> None:
+@pytest.mark.parametrize(
+    "chunk", [None, 16], ids=["whole-prefill", "chunked-prefill-16"]
+)
+def test_second_turn_hits_and_equals_cache_off(
+    make_q3: Any, cache_off: dict, chunk: int | None
+) -> None:
     llm = make_q3(**_chunk(chunk))
     cache = llm.llm_engine.stages["thinker"].runner.tensor_cache
     steps: list[tuple[int, int]] = []  # (requests in a thinker step, hits merged in it)
@@ -69,10 +80,19 @@ def test_preempted_requests_equal_a_roomy_pool(make_q3: Any, stage: str) -> None
     rebuilds the resumed request's rows; the talker's: its frames survive, they are
     the request's state). Results equal those of a roomy pool."""
     tok = make_q3().get_tokenizer()
-    prompts = [{"prompt_token_ids": chat_ids(tok, STORY + " " + s)} for s in ("aaaa", "bbbb", "cccc")]
+    prompts = [
+        {"prompt_token_ids": chat_ids(tok, STORY + " " + s)}
+        for s in ("aaaa", "bbbb", "cccc")
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     roomy = make_q3().generate(prompts, params, use_tqdm=False)
-    tight = make_q3(**({"num_kv_blocks": 48} if stage == "thinker" else {"talker_num_kv_blocks": 33}))
+    tight = make_q3(
+        **(
+            {"num_kv_blocks": 48}
+            if stage == "thinker"
+            else {"talker_num_kv_blocks": 33}
+        )
+    )
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.stages[stage].scheduler.num_preemptions > 0
     for ours, ref in zip(outs, roomy):
@@ -87,11 +107,15 @@ def test_frames_take_the_deferred_path(make_q3: Any) -> None:
     llm = make_q3()
     talker = llm.llm_engine.stages["talker"]
     cache = talker.runner.tensor_cache
-    assert cache is not None and cache.policy.deferred_keys == frozenset({"codes.audio"})
+    assert cache is not None and cache.policy.deferred_keys == frozenset(
+        {"codes.audio"}
+    )
     assert not talker.runner.tensor_cache.policy.full_prefix_hidden
     staged_seen = 0
     pipeline = llm.llm_engine
-    pipeline.add_request("r", {"prompt_token_ids": chat_ids(llm.get_tokenizer(), STORY)}, SP)
+    pipeline.add_request(
+        "r", {"prompt_token_ids": chat_ids(llm.get_tokenizer(), STORY)}, SP
+    )
     done = []
     while pipeline.has_unfinished_requests():
         done.extend(o for o in pipeline.step() if o.finished)

@@ -28,7 +28,12 @@ def llm(make_q3: Any) -> Any:
 
 
 def _ours(llm: Any, prompt: Any, **kwargs: Any) -> Any:
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TEXT), use_tqdm=False, **kwargs)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TEXT),
+        use_tqdm=False,
+        **kwargs,
+    )[0]
     assert out.error is None
     return out
 
@@ -36,9 +41,17 @@ def _ours(llm: Any, prompt: Any, **kwargs: Any) -> Any:
 def _assert_equal(out: Any, ref: tuple[list[int], np.ndarray, np.ndarray]) -> None:
     tokens, codes, wav = ref
     assert list(out.outputs[0].token_ids) == tokens
-    assert frames_of(out).shape == codes.shape and codes.shape[0] == 4 and codes.shape[1] > 2
+    assert (
+        frames_of(out).shape == codes.shape
+        and codes.shape[0] == 4
+        and codes.shape[1] > 2
+    )
     np.testing.assert_array_equal(frames_of(out), codes)
-    assert out.audio.dtype == np.float32 and out.audio.ndim == 1 and out.audio.shape == wav.shape
+    assert (
+        out.audio.dtype == np.float32
+        and out.audio.ndim == 1
+        and out.audio.shape == wav.shape
+    )
     np.testing.assert_allclose(out.audio, wav, rtol=0, atol=1e-6)
     assert out.sample_rate == 24000 and np.abs(out.audio).max() > 1e-3
 
@@ -48,7 +61,9 @@ def test_text_prompt_equals_transformers(llm: Any, q3_hf: Any, speaker: str) -> 
     tok = llm.get_tokenizer()
     ids = chat_ids(tok, "tell me about foxes")
     out = _ours(llm, {"prompt_token_ids": ids}, speaker=speaker)
-    _assert_equal(out, hf_generate(q3_hf, tok, ids, MAX_TEXT, MAX_CODES, speaker=speaker))
+    _assert_equal(
+        out, hf_generate(q3_hf, tok, ids, MAX_TEXT, MAX_CODES, speaker=speaker)
+    )
     assert_nothing_held(llm)
 
 
@@ -57,13 +72,26 @@ def test_audio_prompt_equals_transformers(llm: Any, q3_hf: Any, q3_dir: Any) -> 
 
     tok = llm.get_tokenizer()
     wave = (0.1 * np.sin(np.arange(16000) * 2 * np.pi * 220 / 16000)).astype(np.float32)
-    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "what is it?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "audio"}, {"type": "text", "text": "what is it?"}],
+        }
+    ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     out = _ours(llm, {"prompt": text, "multi_modal_data": {"audio": (wave, 16000)}})
     ids = list(out.prompt_token_ids)
-    assert ids.count(q3_hf.config.thinker_config.audio_token_id) > 1  # the placeholder was expanded
+    assert (
+        ids.count(q3_hf.config.thinker_config.audio_token_id) > 1
+    )  # the placeholder was expanded
     fe = AutoFeatureExtractor.from_pretrained(q3_dir)
-    feats = fe([wave], sampling_rate=16000, padding="max_length", return_attention_mask=True, return_tensors="pt")
+    feats = fe(
+        [wave],
+        sampling_rate=16000,
+        padding="max_length",
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     ref = hf_generate(q3_hf, tok, ids, MAX_TEXT, MAX_CODES, input_features=feats["input_features"],
                       feature_attention_mask=feats["attention_mask"])  # fmt: skip
     _assert_equal(out, ref)
@@ -96,17 +124,24 @@ def test_equals_a_row_of_a_left_padded_transformers_batch(llm: Any, q3_hf: Any) 
         np.testing.assert_allclose(out.audio, wavs[row].numpy(), rtol=0, atol=1e-5)
 
 
-def test_talker_defaults_are_transformers_generate_defaults(llm: Any, q3_hf: Any) -> None:
+def test_talker_defaults_are_transformers_generate_defaults(
+    llm: Any, q3_hf: Any
+) -> None:
     sig = inspect.signature(type(q3_hf).generate).parameters
     tc = q3_hf.config.talker_config
     params = TalkerParams.qwen3_defaults(tc)
     assert params.temperature == sig["talker_temperature"].default
-    assert params.top_k == sig["talker_top_k"].default and params.top_p == sig["talker_top_p"].default
+    assert (
+        params.top_k == sig["talker_top_k"].default
+        and params.top_p == sig["talker_top_p"].default
+    )
     assert params.repetition_penalty == sig["talker_repetition_penalty"].default
     assert params.max_tokens == sig["talker_max_new_tokens"].default
     assert params.stop_token_ids == (tc.codec_eos_token_id,)
     vocab = tc.text_config.vocab_size
-    assert set(params.suppress_token_ids) == set(range(vocab - 1024, vocab)) - {tc.codec_eos_token_id}
+    assert set(params.suppress_token_ids) == set(range(vocab - 1024, vocab)) - {
+        tc.codec_eos_token_id
+    }
     assert llm.llm_engine.default_speaker == sig["speaker"].default
 
 
@@ -122,6 +157,8 @@ def test_sampling_talker_is_seeded_and_speaks(make_q3: Any) -> None:
                                                                        seed=seed), use_tqdm=False)[0]  # fmt: skip
 
     a, b, c = run(1), run(1), run(2)
-    assert a.extra["codec_frames"] == b.extra["codec_frames"] and np.array_equal(a.audio, b.audio)
+    assert a.extra["codec_frames"] == b.extra["codec_frames"] and np.array_equal(
+        a.audio, b.audio
+    )
     assert a.extra["codec_frames"] != c.extra["codec_frames"]
     assert_nothing_held(llm)

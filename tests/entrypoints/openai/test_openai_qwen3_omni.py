@@ -18,14 +18,23 @@ import pytest
 
 from omnistage import LLM
 from omnistage.engine.arg_utils import EngineArgs
-from omnistage.entrypoints.openai.api_server import ServerOptions, ServerThread, build_app
+from omnistage.entrypoints.openai.api_server import (
+    ServerOptions,
+    ServerThread,
+    build_app,
+)
 from omnistage.sampling_params import SamplingParams
 from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
 
 pytest.importorskip("transformers")
 
 NAME = "tiny-qwen3-omni"
-ENGINE = {"block_size": 4, "max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 8}
+ENGINE = {
+    "block_size": 4,
+    "max_model_len": 256,
+    "num_kv_blocks": 256,
+    "max_num_seqs": 8,
+}
 TALKER = {"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 8}
 MESSAGES = [{"role": "user", "content": "Say something nice."}]
 MAX_TOKENS, VOICE = 8, "Chelsie"
@@ -38,7 +47,10 @@ def q3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(q3_dir: Path) -> Iterator[tuple[ServerThread, Any]]:
-    app = build_app(EngineArgs(model=str(q3_dir), **ENGINE), ServerOptions(served_model_names=[NAME], talker_params=TALKER))
+    app = build_app(
+        EngineArgs(model=str(q3_dir), **ENGINE),
+        ServerOptions(served_model_names=[NAME], talker_params=TALKER),
+    )
     thread = ServerThread(app).start()
     try:
         yield thread, app
@@ -46,12 +58,18 @@ def server(q3_dir: Path) -> Iterator[tuple[ServerThread, Any]]:
         thread.stop()
 
 
-def test_audio_answer_is_the_offline_pipelines(server: tuple[ServerThread, Any], q3_dir: Path) -> None:
+def test_audio_answer_is_the_offline_pipelines(
+    server: tuple[ServerThread, Any], q3_dir: Path
+) -> None:
     offline = LLM(str(q3_dir), talker_params=TALKER, **ENGINE)
-    (ref,) = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), speaker=VOICE)
+    (ref,) = offline.chat(
+        MESSAGES, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), speaker=VOICE
+    )
     assert ref.audio is not None and ref.audio.size > 0
     thread, app = server
-    with openai.OpenAI(base_url=thread.base_url + "/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(
+        base_url=thread.base_url + "/v1", api_key="unused", max_retries=0
+    ) as client:
         models = [m.id for m in client.models.list().data]
         assert NAME in models
         completion = client.chat.completions.create(
