@@ -23,6 +23,8 @@ forward hook during the step's own forward, so it costs no extra compute.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,12 +44,22 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
     """Wraps ``Qwen3OmniMoeThinkerForConditionalGeneration`` (or the whole model, whose ``thinker`` it uses).
 
     Audio items carry ``input_features`` ``[num_mel_bins, frames]`` (valid frames
-    only) and ``audio_feature_lengths`` ``[1]``. Images and video are not wired
-    yet: their deepstack features enter the first decoder layers, which the
-    encoder cache's one-row-per-placeholder merge does not carry.
+    only) and ``audio_feature_lengths`` ``[1]``; image items ``pixel_values`` and
+    ``image_grid_thw``. Video is not wired yet.
+
+    **Deepstack.** The vision tower also returns, per image, one ``[n, hidden]``
+    tensor per deepstack level, which transformers adds to the hidden states at
+    the image's positions after decoder layers ``0 .. levels - 1``. The encoder
+    cache holds only the main rows (one per placeholder); the deepstack rows are
+    kept beside them here, keyed by the main tensor the cache holds and dropped
+    when the cache lets go of it (a weak reference). Each step the runner hands
+    the gathered rows to ``begin_step``, which maps every gathered row back to
+    its item and row (the cache serves views of the main tensor), and forward
+    hooks on the first layers add the matching deepstack rows, as
+    ``_deepstack_process`` does.
     """
 
-    modalities = ("audio",)
+    modalities = ("image", "audio")
     tensor_cache_policy = QWEN3_THINKER_FOR_TALKER_POLICY
 
     def __init__(self, model: Any, accept_hidden_layer: int | None = None) -> None:
@@ -68,12 +80,105 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
         self._accepted: torch.Tensor | None = None
         if self.accept_hidden_layer < len(layers):
             # hidden_states[k] is layer k-1's output; the last index is the final normed state instead.
+            # Registered before the deepstack hooks: transformers records the layer output before the add.
             layers[self.accept_hidden_layer - 1].register_forward_hook(self._capture)
+        # storage of the main rows -> (weak ref to them, their deepstack rows per level)
+        self._deepstack: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
+        self._step_deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = (
+            None  # (positions, rows per level)
+        )
+        levels = len(
+            getattr(self.config.vision_config, "deepstack_visual_indexes", ()) or ()
+        )
+        for level in range(min(levels, len(layers))):
+            layers[level].register_forward_hook(self._add_deepstack(level))
 
     def _capture(self, module: Any, args: Any, output: Any) -> None:
         self._accepted = output[0] if isinstance(output, tuple) else output
 
     # ------------------------------------------------------------- towers
+
+    def _encode_image(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+        out = self.inner.get_image_features(
+            self._cat(items, "pixel_values"),
+            self._cat(items, "image_grid_thw", torch.int64),
+            return_dict=True,
+        )
+        mains = [
+            m.to(self.dtype).clone() for m in out.pooler_output
+        ]  # own storage: the cache's views map back
+        for i, main in enumerate(mains):
+            self._remember(
+                main, [level[i].to(self.dtype) for level in out.deepstack_features]
+            )
+        return mains
+
+    def embed_multimodal(
+        self, modality: str, items: list[dict[str, Any]]
+    ) -> list[torch.Tensor]:
+        outs = super().embed_multimodal(modality, items)
+        if modality == "image" and any(
+            _storage(o) not in self._deepstack for o in outs
+        ):
+            raise RuntimeError(
+                "Qwen3OmniThinkerAdapter: image rows lost their deepstack rows (dtype cast)"
+            )
+        return outs
+
+    def _remember(self, main: torch.Tensor, levels: list[torch.Tensor]) -> None:
+        key = _storage(main)
+        self._deepstack[key] = (
+            weakref.ref(main, lambda _, k=key: self._deepstack.pop(k, None)),
+            levels,
+        )
+
+    @property
+    def num_deepstack_items(self) -> int:
+        """Images whose deepstack rows are kept (as many as the encoder cache holds)."""
+        return len(self._deepstack)
+
+    def begin_step(
+        self, mm_rows: Sequence[torch.Tensor], is_mm_embed: torch.Tensor | None
+    ) -> None:
+        """The step's gathered encoder rows (in the order of the ``is_mm_embed`` positions):
+        find the deepstack rows of those that are image rows."""
+        self._step_deepstack = None
+        if not mm_rows or is_mm_embed is None or not self._deepstack:
+            return
+        positions = torch.nonzero(is_mm_embed.cpu()).squeeze(1)
+        pos_parts: list[torch.Tensor] = []
+        row_parts: list[list[torch.Tensor]] = []
+        offset = 0
+        for rows in mm_rows:
+            # The cache serves slices or aliases of the main tensor: same storage, an offset into it.
+            entry = self._deepstack.get(_storage(rows))
+            main = entry[0]() if entry is not None else None
+            n = rows.shape[0]
+            if main is not None:
+                first = (rows.storage_offset() - main.storage_offset()) // max(
+                    1, main.stride(0)
+                )
+                pos_parts.append(positions[offset : offset + n])
+                row_parts.append([level[first : first + n] for level in entry[1]])  # type: ignore[index]
+            offset += n
+        if pos_parts:
+            levels = len(row_parts[0])
+            self._step_deepstack = (
+                torch.cat(pos_parts).to(self.device),
+                [torch.cat([r[k] for r in row_parts]) for k in range(levels)],
+            )
+
+    def _add_deepstack(self, level: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> Any:
+            step = self._step_deepstack
+            if step is None:
+                return None
+            positions, rows = step
+            hidden = (output[0] if isinstance(output, tuple) else output).clone()
+            hidden[0, positions] = hidden[0, positions] + rows[level].to(hidden.dtype)
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+        return hook
 
     def _encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         lengths = [int(item["input_features"].shape[1]) for item in items]
@@ -127,3 +232,7 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
         return torch.where(
             is_mm[:, None], accepted.to(hidden.dtype), self.embed_input_ids(input_ids)
         )
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

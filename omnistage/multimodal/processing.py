@@ -99,8 +99,8 @@ class MultiModalProcessor:
         self.placeholder_ids = {"image": config.image_token_id, "video": config.video_token_id}
         if self.is_omni:
             self.placeholder_ids["audio"] = config.audio_token_id
-        if is_qwen3:  # its images and video need deepstack rows, which the encoder cache does not carry yet
-            self.placeholder_ids = {"audio": config.audio_token_id}
+        if is_qwen3:  # its video is not wired yet
+            self.placeholder_ids = {"image": config.image_token_id, "audio": config.audio_token_id}
         # default fps when a video comes without one: transformers' Qwen2.5-VL
         # processor falls back to 24, the Qwen2.5-Omni processor to 2.0
         self.default_fps = 2.0 if self.is_omni else 24.0

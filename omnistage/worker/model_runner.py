@@ -291,6 +291,9 @@ class ModelRunner:
             self.num_encoded_items += sum(len(v) for v in scheduled.values())
         inputs = StepModelInputs(step.input_ids, self._mrope_positions(step))
         mm_rows, is_mm_embed = state.gather_mm_embeddings(step)
+        begin_step = getattr(self.mm_adapter, "begin_step", None)
+        if begin_step is not None:  # rows an adapter adds past the embeddings (Qwen3-Omni's deepstack)
+            begin_step(mm_rows, is_mm_embed if mm_rows else None)
         if mm_rows:
             inputs.inputs_embeds = state.encoder_runner.get_inputs_embeds(
                 step.input_ids[: step.num_tokens], mm_rows, is_mm_embed

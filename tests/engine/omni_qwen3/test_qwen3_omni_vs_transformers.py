@@ -162,3 +162,66 @@ def test_sampling_talker_is_seeded_and_speaks(make_q3: Any) -> None:
     )
     assert a.extra["codec_frames"] != c.extra["codec_frames"]
     assert_nothing_held(llm)
+
+
+IMAGE_PROMPT = "<|im_start|>user\nlook at this picture <|vision_start|><|image_pad|><|vision_end|>what is it?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def image() -> Any:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (96, 128, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def image_reference(
+    llm: Any, q3_hf: Any, q3_dir: Any, image: Any
+) -> tuple[list[int], Any]:
+    """(prompt ids as omnistage expands them, transformers' answer): deepstack rows included."""
+    from transformers import AutoImageProcessor
+
+    out = _ours(llm, {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": image}})
+    ids = list(out.prompt_token_ids)
+    pixels = AutoImageProcessor.from_pretrained(q3_dir, backend="pil")(
+        images=[image], return_tensors="pt"
+    )
+    tok = llm.get_tokenizer()
+    ref = hf_generate(q3_hf, tok, ids, MAX_TEXT, MAX_CODES, pixel_values=pixels["pixel_values"],
+                      image_grid_thw=pixels["image_grid_thw"])  # fmt: skip
+    return ids, ref
+
+
+@pytest.mark.parametrize(
+    "chunk", [None, 16], ids=["whole-prefill", "chunked-prefill-16"]
+)
+def test_image_prompt_equals_transformers(
+    make_q3: Any, image: Any, image_reference: Any, chunk: int | None
+) -> None:
+    """The image's deepstack rows enter the first decoder layers at its positions, also
+    when a prefill chunk ends inside the image (the cache then serves slices of it)."""
+    llm = make_q3(**({} if chunk is None else {"max_num_batched_tokens": chunk}))
+    ids, ref = image_reference
+    assert (
+        ids.count(llm.llm_engine.loaded_model.hf_config.thinker_config.image_token_id)
+        > 4
+    )
+    adapter = llm.llm_engine.stages["thinker"].runner.mm_adapter
+    steps: list[int] = []  # image rows with deepstack rows, per thinker step
+    begin = adapter.begin_step
+
+    def spy(rows: Any, mask: Any) -> None:
+        begin(rows, mask)
+        steps.append(
+            0 if adapter._step_deepstack is None else adapter._step_deepstack[0].numel()
+        )
+
+    adapter.begin_step = spy
+    out = _ours(llm, {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": image}})
+    assert list(out.prompt_token_ids) == ids
+    _assert_equal(out, ref)
+    assert len([n for n in steps if n]) == (
+        1 if chunk is None else 2
+    )  # the image split over two chunks
+    assert_nothing_held(llm)
