@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from qwen3_utils import assert_nothing_held, assert_same_answer, chat_ids
 
@@ -125,4 +126,47 @@ def test_frames_take_the_deferred_path(make_q3: Any) -> None:
     frames = done[0].extra["codec_frames"]
     flat = {tuple(r) for r in rows.reshape(-1, 4).tolist()}
     assert all(tuple(f) in flat for f in frames)
+    assert_nothing_held(llm)
+
+
+def _image_conversation(llm: Any, image: Any) -> list[Any]:
+    tok = llm.get_tokenizer()
+    text = "<|im_start|>user\nlook at this picture <|vision_start|><|image_pad|><|vision_end|>what is it?<|im_end|>\n"
+    text += "<|im_start|>assistant\n"
+    first = llm.generate(
+        [{"prompt": text, "multi_modal_data": {"image": image}}], SP, use_tqdm=False
+    )[0]
+    answer = tok.decode(first.outputs[0].token_ids, skip_special_tokens=False)
+    second = (
+        text
+        + answer
+        + "\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    return [
+        first,
+        llm.generate(
+            [{"prompt": second, "multi_modal_data": {"image": image}}],
+            SP,
+            use_tqdm=False,
+        )[0],
+    ]
+
+
+def test_image_second_turn_hits_and_equals_cache_off(make_q3: Any) -> None:
+    """A second turn with the same image hits the thinker's prefix (image blocks
+    included): same text, frames and audio as with prefix caching off."""
+    from PIL import Image
+
+    image = Image.fromarray(
+        np.random.default_rng(1).integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    )
+    off = _image_conversation(
+        make_q3(enable_prefix_caching=False, max_num_batched_tokens=16), image
+    )
+    llm = make_q3(max_num_batched_tokens=16)
+    on = _image_conversation(llm, image)
+    assert on[1].num_cached_tokens > 0
+    for ours, ref in zip(on, off):
+        assert list(ours.prompt_token_ids) == list(ref.prompt_token_ids)
+        assert_same_answer(ours, ref)
     assert_nothing_held(llm)
