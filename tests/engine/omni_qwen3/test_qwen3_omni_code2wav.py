@@ -9,7 +9,6 @@ belong to earlier chunks). Every boundary here is checked for that.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,20 +23,8 @@ NUM_FRAMES = 37
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
-
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    path: Path = write_tiny_qwen3_omni(tmp_path_factory.mktemp("tiny_qwen3_code2wav"))
-    return transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        path
-    ).eval()
-
-
-@pytest.fixture(scope="module")
-def vocoder(hf: Any) -> Qwen3OmniCode2Wav:
-    return Qwen3OmniCode2Wav(hf.code2wav)
+def vocoder(q3_hf: Any) -> Qwen3OmniCode2Wav:
+    return Qwen3OmniCode2Wav(q3_hf.code2wav)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +40,10 @@ def full(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray) -> np.ndarray:
 
 
 def test_full_decode_equals_transformers(
-    hf: Any, vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray
+    q3_hf: Any, vocoder: Qwen3OmniCode2Wav, codes: np.ndarray, full: np.ndarray
 ) -> None:
     with torch.inference_mode():
-        ref = hf.code2wav.chunked_decode(
+        ref = q3_hf.code2wav.chunked_decode(
             torch.from_numpy(codes)[None], chunk_size=300, left_context_size=25
         )
     ref = ref.reshape(-1).float().numpy()
@@ -128,10 +115,10 @@ def test_too_little_left_context_is_not_exact(
 
 
 def test_transformers_chunked_decode_drops_samples_at_boundaries(
-    hf: Any, full: np.ndarray, codes: np.ndarray
+    q3_hf: Any, full: np.ndarray, codes: np.ndarray
 ) -> None:
     with torch.inference_mode():
-        chunked = hf.code2wav.chunked_decode(
+        chunked = q3_hf.code2wav.chunked_decode(
             torch.from_numpy(codes)[None], chunk_size=10, left_context_size=25
         )
     num_chunks = -(-NUM_FRAMES // 10)
