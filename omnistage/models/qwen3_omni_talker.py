@@ -339,10 +339,11 @@ class PagedQwen3OmniTalker:
     ) -> dict[str, torch.Tensor]:
         """Run the code predictor for every request that sampled code 0 this step (see the module docstring)."""
         sampled = runner_output.req_ids
+        step_states, self._states = self._states, []  # this step's only: nothing kept past it
         if not sampled:
             return {}
         index = {r: i for i, r in enumerate(step.req_ids)}
-        states = [self._states[index[r]] for r in sampled]
+        states = [step_states[index[r]] for r in sampled]
         code0 = torch.tensor(
             [runner_output.sampled_token_ids[r] for r in sampled], device=self.device
         )
