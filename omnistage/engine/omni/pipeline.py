@@ -153,6 +153,17 @@ class OmniPipeline:
         held["pipeline"] = StageHeld(requests=len(self._pending))
         return held
 
+    def speakable_frames(self, request_id: str) -> list[list[int]]:
+        """Qwen3-Omni: the frames of ``request_id`` that are audio for sure, so far (every
+        code group of each). A frame is final once a later code was sampled: the last
+        sampled code's frame is never audio. Empty for other models or unknown ids; for
+        streaming, feed the new ones to the vocoder's ``stream()``."""
+        pending = self._pending.get(request_id)
+        frames = getattr(pending.talker_state, "frames", None) if pending is not None else None
+        if pending is not None and pending.frames is not None:
+            return pending.frames  # the talker finished: exactly what the vocoder gets
+        return [list(f) for f in frames[:-1]] if frames else []
+
     # -- requests ----------------------------------------------------------------
 
     def add_request(

@@ -142,3 +142,41 @@ def test_bad_codes_are_refused(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray) ->
         vocoder.decode(codes[:3])
     with pytest.raises(ValueError, match="left_context"):
         vocoder.decode_codes(codes[:, :4], left_context=5)
+
+
+def test_frames_streamed_while_the_talker_speaks_equal_the_final_audio(
+    make_q3: Any,
+) -> None:
+    """Push ``speakable_frames`` to a stream after every pipeline step: the audio
+    arrives in several chunks before the request ends, and their concatenation is the
+    request's final waveform."""
+    from qwen3_utils import chat_ids
+
+    from omnistage.sampling_params import SamplingParams
+
+    llm = make_q3(
+        talker_params={"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 14}
+    )
+    pipeline = llm.llm_engine
+    vocoder = pipeline.stages["token2wav"].runner.model.code2wav
+    stream, pushed, chunks, done = vocoder.stream(), 0, [], []
+    ids = chat_ids(llm.get_tokenizer(), "tell me a story about a fox and a dog")
+    pipeline.add_request(
+        "r", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=8)
+    )
+    while pipeline.has_unfinished_requests():
+        frames = pipeline.speakable_frames("r")
+        new = frames[pushed:]
+        outs = [o for o in pipeline.step() if o.finished]
+        if new and not done:
+            chunks.append(stream.push(np.asarray(new).T))
+            pushed += len(new)
+        done.extend(outs)
+    (out,) = done
+    final = out.extra["codec_frames"]
+    if pushed < len(final):
+        chunks.append(stream.push(np.asarray(final[pushed:]).T))
+    assert len([c for c in chunks if c.size]) >= 2
+    joined = np.concatenate(chunks)
+    assert joined.shape == out.audio.shape
+    np.testing.assert_allclose(joined, out.audio, rtol=0, atol=1e-6)
