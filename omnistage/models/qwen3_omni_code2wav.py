@@ -33,9 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnistage.core.chunk_schedule import ChunkSchedule
+
 __all__ = ["Qwen3OmniCode2Wav", "StreamingVocoder"]
 
 SAMPLE_RATE = 24000
+# Streamed decode: a first chunk of 4 frames (0.32 s of audio at 12.5 frames/s) for
+# latency, then chunks of 12 (0.96 s). Any schedule gives the same samples.
+STREAM_SCHEDULE = ChunkSchedule(first=4, size=12)
 
 
 class Qwen3OmniCode2Wav:
@@ -185,6 +190,34 @@ class Qwen3OmniCode2Wav:
     def stream(self) -> StreamingVocoder:
         """A fresh streaming decoder over this vocoder."""
         return StreamingVocoder(self)
+
+    # -- the ChunkedVocoder protocol (models/chunked_vocoder.py): codes are frames ------------
+    # Each chunk re-reads its left context from the frames it is given, so a decode
+    # keeps no state; a chunk reads no frame past its end (lookahead 0).
+
+    stream_schedule: ChunkSchedule = STREAM_SCHEDULE
+
+    def chunk_schedule(self, stream: bool) -> ChunkSchedule:
+        return self.stream_schedule if stream else ChunkSchedule()
+
+    def start_decode(self, speaker: str, seed: int, stream: bool) -> ChunkSchedule:
+        return self.chunk_schedule(
+            stream
+        )  # no noise, no tail: the schedule is the whole state
+
+    def decode_chunk(
+        self, codes: Sequence[Any], index: int, state: ChunkSchedule, last: bool
+    ) -> np.ndarray:
+        """Samples of chunk ``index``: ``codes`` are every frame so far (``[groups]`` each),
+        and the result is exactly the full decode's samples of the chunk's frames."""
+        start, end = state.span(index, len(codes), last)
+        lo = max(0, start - self.left_context)
+        window = (
+            np.asarray(codes[lo:end], dtype=np.int64)
+            .reshape(end - lo, self.num_quantizers)
+            .T
+        )
+        return self.decode_codes(window, left_context=start - lo, first_frame=lo)
 
 
 class StreamingVocoder:

@@ -180,3 +180,29 @@ def test_frames_streamed_while_the_talker_speaks_equal_the_final_audio(
     joined = np.concatenate(chunks)
     assert joined.shape == out.audio.shape
     np.testing.assert_allclose(joined, out.audio, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [(4, 12), (1, 1), (2, 5), (21, 3), None], ids=str)
+def test_chunked_vocoder_protocol_equals_full_decode(
+    q3_hf: Any, codes: np.ndarray, full: np.ndarray, schedule: tuple[int, int] | None
+) -> None:
+    """As the chunked vocoder stage drives it (``decode_in_chunks``: each chunk decoded
+    as soon as its frames exist, seeing only those), for several schedules and the
+    whole decode (``stream=False``)."""
+    from omnistage.core.chunk_schedule import ChunkSchedule
+    from omnistage.models.chunked_vocoder import ChunkedVocoder, decode_in_chunks
+
+    vocoder = Qwen3OmniCode2Wav(q3_hf.code2wav)
+    assert isinstance(vocoder, ChunkedVocoder)
+    if schedule is not None:
+        vocoder.stream_schedule = ChunkSchedule(first=schedule[0], size=schedule[1])
+    chunks = decode_in_chunks(
+        vocoder, codes.T.tolist(), "Ethan", 0, stream=schedule is not None
+    )
+    expected = (
+        1 if schedule is None else vocoder.stream_schedule.num_ready(NUM_FRAMES, True)
+    )
+    assert len(chunks) == expected and (schedule is None or expected > 2)
+    joined = np.concatenate(chunks)
+    assert joined.shape == full.shape
+    np.testing.assert_allclose(joined, full, rtol=0, atol=1e-6)
