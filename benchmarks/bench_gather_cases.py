@@ -1,69 +1,135 @@
-"""Benchmark cases for EncoderRunner.gather_mm_embeddings.
+"""Benchmark cases for EncoderRunner.gather_mm_embeddings, this tree against a baseline revision.
 
-Workload: one step of 256 prefilling requests, each prompt holding 4 images of
-256 embeddings (hidden 2048, bf16) separated by text, each request scheduled a
-512-token window. Windows are staggered over the prompt (request i starts at
-chunk i % 3), so items are split across steps in every way. Cases: the target
-path, the drafter path (draft_lookahead=1), and items with is_embed masks
-(16 break tokens inside each image span).
+Workloads, one prefill step each (hidden 2048, bf16 encoder outputs):
 
-``gather_cases()`` returns ``(name, op, copy_baseline)`` triples: ``op`` runs
-the gather; ``copy_baseline`` copies the same bytes (the gathered rows) into a
-preallocated buffer. Run standalone for a table that adds us per gathered item
-and a side-by-side straightforward reference gather (per-item key bisection,
-mask mapping through PlaceholderRange, a bool-tensor slice per item).
+* ``images``: 256 requests, each prompt holding 4 images of 256 embeddings
+  separated by 32 text tokens, each request scheduled a 512-token window.
+  Windows are staggered over the prompt (request i starts at chunk i % 3), so
+  items are split across steps in every way.
+* ``images, draft_lookahead=1``: the same step as the drafter reads it.
+* ``images, is_embed masks``: the same with 16 break tokens inside each image
+  span (the ``is_embed`` mask path).
+* ``small items, is_embed masks``: 32 requests whose prompts hold 96 small
+  items (18 placeholders, 16 embeds: a frame with a timestamp pair), 2 text
+  tokens apart; a 512-token window holds about 26 items.
+
+Run standalone to time this tree's gather against the code of a baseline
+revision (default ``27cadf0``, the start of issue 17), side by side in one run:
+the baseline's ``encoder_cache.py`` and ``encoder_runner.py`` are extracted with
+``git archive`` (or read from ``--baseline-dir``, a checkout of that revision)
+and imported under private module names, each with its own ``EncoderCache``
+filled with the same items and outputs. Old and new calls alternate, round
+after round, each timed on the thread's CPU clock (``time.thread_time``: on a
+shared, loaded machine wall time mostly measures the scheduler) and on the
+wall clock. The table gives each side's median CPU time with its spread
+(min-max over rounds), the median of the per-round CPU-time ratios with their
+interquartile range, and the ratio of wall-time medians. Both sides' results are
+checked equal (same rows, same mask, same modalities) before timing.
+
+``gather_cases()`` returns ``(name, op, copy_baseline)`` triples for
+``benchmarks/bench_cache_ops.py``: ``op`` runs this tree's gather;
+``copy_baseline`` copies the same bytes (the gathered rows) into a
+preallocated buffer.
+
+Usage: python benchmarks/bench_gather_cases.py [--rounds N] [--baseline-rev REV | --baseline-dir DIR]
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import io
+import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
 
-from omnistage.multimodal.inputs import (
-    MultiModalFeatureSpec,
-    PlaceholderRange,
-    get_mm_features_in_window,
-)
-from omnistage.worker.mm.encoder_cache import EncoderCache
-from omnistage.worker.mm.encoder_runner import EncoderRunner
+from omnistage.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from omnistage.worker.mm import encoder_cache as new_cache_module
+from omnistage.worker.mm import encoder_runner as new_runner_module
 
-NUM_REQS = 256
-IMAGES_PER_REQ = 4
-EMBEDS_PER_IMAGE = 256
 HIDDEN = 2048
-WINDOW = 512
-TEXT_GAP = 32  # text tokens before each image
-BREAKS_PER_IMAGE = 16  # non-embed positions inside a masked image span
-DISTINCT_OUTPUTS = 16  # identifiers are distinct; storage is shared to bound memory
 DTYPE = torch.bfloat16
+DISTINCT_OUTPUTS = 16  # identifiers are distinct; storage is shared to bound memory
+MM_DIR = "omnistage/worker/mm"
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_reqs: int
+    items_per_req: int
+    embeds_per_item: int
+    breaks_per_item: int  # non-embed positions inside each item's span
+    text_gap: int  # text tokens before each item
+    window: int  # tokens scheduled per request
+
+    def describe(self) -> str:
+        masked = f" (+{self.breaks_per_item} breaks)" if self.breaks_per_item else ""
+        return (
+            f"{self.num_reqs} req x {self.items_per_req} items x {self.embeds_per_item} emb{masked}, "
+            f"{self.window}-tok windows"
+        )
+
+
+IMAGES = Shape(256, 4, 256, 0, 32, 512)
+MASKED_IMAGES = Shape(256, 4, 256, 16, 32, 512)
+SMALL_ITEMS = Shape(32, 96, 16, 2, 2, 512)
+CASES = [  # (label, shape, draft_lookahead)
+    ("images", IMAGES, 0),
+    ("images, draft_lookahead=1", IMAGES, 1),
+    ("images, is_embed masks", MASKED_IMAGES, 0),
+    ("small items, is_embed masks", SMALL_ITEMS, 0),
+]
+
+
+def _item_mask(shape: Shape) -> torch.Tensor | None:
+    if not shape.breaks_per_item:
+        return None
+    length = shape.embeds_per_item + shape.breaks_per_item
+    mask = torch.ones(length, dtype=torch.bool)
+    step = length // shape.breaks_per_item
+    mask[step - 1 :: step] = False
+    assert int(mask.sum()) == shape.embeds_per_item
+    return mask
 
 
 class Workload:
-    def __init__(self, masked: bool) -> None:
-        length = EMBEDS_PER_IMAGE + (BREAKS_PER_IMAGE if masked else 0)
-        mask = None
-        if masked:
-            mask = torch.ones(length, dtype=torch.bool)
-            mask[length // BREAKS_PER_IMAGE - 1 :: length // BREAKS_PER_IMAGE] = False
-            assert int(mask.sum()) == EMBEDS_PER_IMAGE
-        self.prompt_len = IMAGES_PER_REQ * (TEXT_GAP + length) + TEXT_GAP
+    """One step's batch arrays plus a runner per implementation, each with its
+    own cache holding the same items and (shared) output tensors."""
+
+    def __init__(
+        self, shape: Shape, implementations: dict[str, tuple[ModuleType, ModuleType]]
+    ) -> None:
+        mask = _item_mask(shape)
+        length = shape.embeds_per_item + shape.breaks_per_item
+        self.prompt_len = (
+            shape.items_per_req * (shape.text_gap + length) + shape.text_gap
+        )
         gen = torch.Generator().manual_seed(0)
-        pool = [
-            torch.randn(EMBEDS_PER_IMAGE, HIDDEN, generator=gen).to(DTYPE)
-            for _ in range(DISTINCT_OUTPUTS)
-        ]
-        self.cache = EncoderCache()
-        self.req_ids = [f"req{i}" for i in range(NUM_REQS)]
+        with torch.inference_mode():  # as the runner's encoder makes them
+            pool = [
+                torch.randn(shape.embeds_per_item, HIDDEN, generator=gen).to(DTYPE)
+                for _ in range(DISTINCT_OUTPUTS)
+            ]
+        self.req_ids = [f"req{i}" for i in range(shape.num_reqs)]
+        features = {}
+        outputs = {}
         for i, req_id in enumerate(self.req_ids):
-            features = []
-            for j in range(IMAGES_PER_REQ):
-                ident = f"img-{i}-{j}"
-                offset = TEXT_GAP + j * (TEXT_GAP + length)
-                features.append(
+            features[req_id] = []
+            for j in range(shape.items_per_req):
+                ident = f"item-{i}-{j}"
+                offset = shape.text_gap + j * (shape.text_gap + length)
+                features[req_id].append(
                     MultiModalFeatureSpec(
                         data=None,
                         modality="image",
@@ -71,22 +137,31 @@ class Workload:
                         mm_position=PlaceholderRange(offset, length, mask),
                     )
                 )
-                self.cache.encoder_outputs[ident] = pool[(i * IMAGES_PER_REQ + j) % DISTINCT_OUTPUTS]
-            self.cache.add_request(req_id, features)
-        chunks = -(-self.prompt_len // WINDOW)
-        self.num_computed = np.array([WINDOW * (i % chunks) for i in range(NUM_REQS)])
-        self.num_scheduled = np.minimum(WINDOW, self.prompt_len - self.num_computed)
-        self.query_start_loc = np.concatenate(([0], np.cumsum(self.num_scheduled)))
-        self.prefill_lens = np.full(NUM_REQS, self.prompt_len)
-        self.num_tokens = int(self.query_start_loc[-1])
-        self.runner = EncoderRunner(
-            model=None,
-            max_num_tokens=1,  # the gather does not use the inputs_embeds buffer
-            hidden_size=HIDDEN,
-            encoder_cache=self.cache,
-            dtype=DTYPE,
-            device=torch.device("cpu"),
+                outputs[ident] = pool[(i * shape.items_per_req + j) % DISTINCT_OUTPUTS]
+        chunks = -(-self.prompt_len // shape.window)
+        self.num_computed = np.array(
+            [shape.window * (i % chunks) for i in range(shape.num_reqs)]
         )
+        self.num_scheduled = np.minimum(
+            shape.window, self.prompt_len - self.num_computed
+        )
+        self.query_start_loc = np.concatenate(([0], np.cumsum(self.num_scheduled)))
+        self.prefill_lens = np.full(shape.num_reqs, self.prompt_len)
+        self.num_tokens = int(self.query_start_loc[-1])
+        self.runners = {}
+        for name, (cache_module, runner_module) in implementations.items():
+            cache = cache_module.EncoderCache()
+            for req_id in self.req_ids:
+                cache.add_request(req_id, features[req_id])
+            cache.encoder_outputs.update(outputs)
+            self.runners[name] = runner_module.EncoderRunner(
+                model=None,
+                max_num_tokens=1,  # the gather does not use the inputs_embeds buffer
+                hidden_size=HIDDEN,
+                encoder_cache=cache,
+                dtype=DTYPE,
+                device=torch.device("cpu"),
+            )
 
     def args(self, draft_lookahead: int) -> tuple:
         return (
@@ -99,51 +174,64 @@ class Workload:
             draft_lookahead,
         )
 
-
-def reference_gather(cache: EncoderCache, req_ids, total, num_scheduled, query_start_loc,
-                     prefill_lens, num_computed, draft_lookahead=0):
-    """A straightforward gather with the same results, for comparison."""
-    is_mm_embed = torch.zeros(total, dtype=torch.bool)
-    mm_embeds = []
-    nc_arr = num_computed + draft_lookahead
-    if (nc_arr >= prefill_lens).all():
-        return mm_embeds, is_mm_embed
-    for i, req_id in enumerate(req_ids):
-        qs = int(nc_arr[i])
-        if qs >= int(prefill_lens[i]):
-            continue
-        qe = qs + int(num_scheduled[i])
-        features = cache.mm_features[req_id]
-        lo, hi = get_mm_features_in_window(features, qs, qe)
-        for f in features[lo:hi]:
-            pos = f.mm_position
-            s = max(qs - pos.offset, 0)
-            e = min(qe - pos.offset, pos.length)
-            es, ee = pos.get_embeds_indices_in_range(s, e)
-            if es == ee:
-                continue
-            out = cache.encoder_outputs.get(f.identifier)
-            if out is None:
-                if pos.offset + draft_lookahead >= qe:
-                    continue
-                raise RuntimeError(f"Encoder cache miss for {f.identifier}.")
-            item = out[es:ee]
-            item.modality = f.modality
-            base = int(query_start_loc[i]) + pos.offset - qs
-            piece = True if pos.is_embed is None else pos.is_embed[s:e]
-            is_mm_embed[base + s : base + e] |= piece
-            mm_embeds.append(item)
-    return mm_embeds, is_mm_embed
+    def op(self, implementation: str, draft_lookahead: int) -> Callable[[], object]:
+        gather = self.runners[implementation].gather_mm_embeddings
+        args = self.args(draft_lookahead)
+        return lambda: gather(*args)
 
 
-_WORKLOADS: dict[bool, Workload] = {}
+# ---------------------------------------------------------------- baseline import
+
+
+def _extract_baseline(rev: str) -> Path:
+    """``omnistage/worker/mm`` of ``rev`` in a temporary folder, via git archive."""
+    root = Path(__file__).resolve().parent.parent
+    blob = subprocess.run(
+        ["git", "-C", str(root), "archive", "--format=tar", rev, MM_DIR],
+        check=True,
+        capture_output=True,
+    ).stdout
+    folder = Path(tempfile.mkdtemp(prefix=f"gather-baseline-{rev}-"))
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+def load_baseline(folder: Path, tag: str) -> tuple[ModuleType, ModuleType]:
+    """Import a tree's encoder cache and runner under private names. The
+    runner's ``from omnistage.worker.mm.encoder_cache import ...`` is pointed
+    at that tree's cache while it executes, so neither touches this tree's."""
+    modules = []
+    saved = sys.modules.get("omnistage.worker.mm.encoder_cache")
+    try:
+        for stem in ("encoder_cache", "encoder_runner"):
+            name = f"_gather_{tag}_{stem}"
+            spec = importlib.util.spec_from_file_location(
+                name, folder / MM_DIR / f"{stem}.py"
+            )
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            modules.append(module)
+            if stem == "encoder_cache":
+                sys.modules["omnistage.worker.mm.encoder_cache"] = module
+    finally:
+        sys.modules["omnistage.worker.mm.encoder_cache"] = saved
+    return modules[0], modules[1]
+
+
+# ---------------------------------------------------------------- cases for bench_cache_ops
+
+_WORKLOADS: dict[Shape, Workload] = {}
 _COPY_BUFFER: list[torch.Tensor] = []  # one destination shared by every case
 
 
-def _workload(masked: bool) -> Workload:
-    if masked not in _WORKLOADS:
-        _WORKLOADS[masked] = Workload(masked)
-    return _WORKLOADS[masked]
+def _workload(shape: Shape) -> Workload:
+    if shape not in _WORKLOADS:
+        _WORKLOADS[shape] = Workload(
+            shape, {"new": (new_cache_module, new_runner_module)}
+        )
+    return _WORKLOADS[shape]
 
 
 def _copy_buffer(rows: int) -> torch.Tensor:
@@ -152,68 +240,104 @@ def _copy_buffer(rows: int) -> torch.Tensor:
     return _COPY_BUFFER[0]
 
 
-def _case(name: str, masked: bool, draft_lookahead: int):
-    w = _workload(masked)
-    args = w.args(draft_lookahead)
-    views, _ = w.runner.gather_mm_embeddings(*args)
-    rows = sum(v.shape[0] for v in views)
-
-    def op():
-        return w.runner.gather_mm_embeddings(*args)
-
-    def copy_baseline():
-        torch.cat(views, out=_copy_buffer(rows)[:rows])
-
-    return name, op, copy_baseline
-
-
 def gather_cases() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
     torch.set_num_threads(1)
-    shape = f"{NUM_REQS} req x {IMAGES_PER_REQ} img x {EMBEDS_PER_IMAGE} emb, h{HIDDEN}, {WINDOW}-tok windows"
-    cases = [
-        _case(f"gather_mm_embeddings ({shape})", masked=False, draft_lookahead=0),
-        _case(f"gather_mm_embeddings draft_lookahead=1 ({shape})", masked=False, draft_lookahead=1),
-        _case(f"gather_mm_embeddings is_embed masks ({shape})", masked=True, draft_lookahead=0),
-    ]
+    cases = []
+    for label, shape, lookahead in CASES:
+        op = _workload(shape).op("new", lookahead)
+        views, _ = op()
+        rows = sum(v.shape[0] for v in views)
+
+        def copy_baseline(views=views, rows=rows):
+            torch.cat(views, out=_copy_buffer(rows)[:rows])
+
+        cases.append(
+            (f"gather_mm_embeddings {label} ({shape.describe()})", op, copy_baseline)
+        )
     return cases
 
 
-def best_us(fn: Callable[[], object], clock: Callable[[], float], runs: int) -> float:
-    """Fastest of ``runs`` calls, in microseconds, on the given clock."""
-    fn()  # warm up
-    best = float("inf")
-    for _ in range(runs):
-        t0 = clock()
-        fn()
-        best = min(best, clock() - t0)
-    return best * 1e6
+# ---------------------------------------------------------------- side by side
+
+
+def _same_result(a, b) -> bool:
+    (rows_a, mask_a), (rows_b, mask_b) = a, b
+    return (
+        torch.equal(mask_a, mask_b)
+        and len(rows_a) == len(rows_b)
+        and all(
+            x.modality == y.modality and torch.equal(x, y)
+            for x, y in zip(rows_a, rows_b)
+        )
+    )
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--rounds", type=int, default=40, help="interleaved old/new calls per case"
+    )
+    parser.add_argument(
+        "--baseline-rev",
+        default="27cadf0",
+        help="git revision of the baseline (git archive)",
+    )
+    parser.add_argument(
+        "--baseline-dir",
+        type=Path,
+        help="a checkout of the baseline instead of --baseline-rev",
+    )
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    cases = gather_cases()
-    params = [(False, 0), (False, 1), (True, 0)]
-    print("op/copy: median wall time, interleaved. us/item: fastest run, wall and process CPU time;")
-    print("ref: a straightforward per-item gather (same results) on CPU time.")
-    print(f"{'case':<90} {'op us':>8} {'copy us':>9} {'ratio':>6} {'items':>5} "
-          f"{'us/item':>8} {'cpu us/item':>11} {'ref cpu':>8} {'speedup':>7}")
-    for (name, op, copy_baseline), (masked, lookahead) in zip(cases, params):
-        w = _workload(masked)
-        got, want = op(), reference_gather(w.cache, *w.args(lookahead))
-        assert torch.equal(got[1], want[1]) and len(got[0]) == len(want[0])
-        items = len(got[0])
-        op_t, copy_t = [], []
-        for _ in range(15):
-            for fn, out in ((op, op_t), (copy_baseline, copy_t)):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-        op_us, copy_us = statistics.median(op_t) * 1e6, statistics.median(copy_t) * 1e6
-        wall = best_us(op, time.perf_counter, 200) / items
-        cpu = best_us(op, time.thread_time, 200) / items
-        ref = best_us(lambda: reference_gather(w.cache, *w.args(lookahead)), time.thread_time, 50) / items
-        print(f"{name:<90} {op_us:>8.0f} {copy_us:>9.0f} {op_us / copy_us:>6.3f} {items:>5} "
-              f"{wall:>8.2f} {cpu:>11.2f} {ref:>8.2f} {ref / cpu:>6.1f}x")
+    folder = args.baseline_dir or _extract_baseline(args.baseline_rev)
+    old = load_baseline(folder, "old")
+    implementations = {"old": old, "new": (new_cache_module, new_runner_module)}
+    print(
+        f"baseline: {args.baseline_dir or args.baseline_rev}; load before: {os.getloadavg()}"
+    )
+    print(
+        "CPU us per call: median (min-max) over interleaved rounds; speedup: median of per-round old/new CPU"
+    )
+    header = f"{'case':<34} {'items':>5} {'old cpu us':>20} {'new cpu us':>20} {'speedup':>8} {'IQR':>11} {'wall':>7}"
+    print(header)
+    workloads: dict[Shape, Workload] = {}
+    for label, shape, lookahead in CASES:
+        if shape not in workloads:
+            workloads[shape] = Workload(shape, implementations)
+        w = workloads[shape]
+        ops = {name: w.op(name, lookahead) for name in implementations}
+        results = {name: op() for name, op in ops.items()}
+        assert _same_result(results["old"], results["new"]), (
+            f"{label}: old and new results differ"
+        )
+        items = len(results["new"][0])
+        cpu: dict[str, list[float]] = {name: [] for name in ops}
+        wall: dict[str, list[float]] = {name: [] for name in ops}
+        for _ in range(3):  # warm up
+            for op in ops.values():
+                op()
+        for r in range(args.rounds):
+            order = list(ops.items()) if r % 2 == 0 else list(reversed(ops.items()))
+            for name, op in order:
+                w0, c0 = time.perf_counter(), time.thread_time()
+                op()
+                c1, w1 = time.thread_time(), time.perf_counter()
+                cpu[name].append((c1 - c0) * 1e6)
+                wall[name].append((w1 - w0) * 1e6)
+        ratios = [o / n for o, n in zip(cpu["old"], cpu["new"])]
+        cells = [
+            f"{statistics.median(t):>6.0f} ({min(t):.0f}-{max(t):.0f})"
+            for t in (cpu["old"], cpu["new"])
+        ]
+        q = statistics.quantiles(ratios, n=4)
+        wall_ratio = statistics.median(wall["old"]) / statistics.median(wall["new"])
+        print(
+            f"{label:<34} {items:>5} {cells[0]:>20} {cells[1]:>20} {statistics.median(ratios):>7.2f}x "
+            f"{q[0]:>5.2f}-{q[2]:.2f}x {wall_ratio:>6.2f}x"
+        )
+    print(
+        f"spread: interquartile range of the per-round ratios. load after: {os.getloadavg()}"
+    )
 
 
 if __name__ == "__main__":

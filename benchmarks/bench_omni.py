@@ -23,7 +23,24 @@ measure is the best of its rounds: CPU time still varies with the memory
 traffic of other processes, and the least disturbed round is the best estimate
 of the cost. The tensor cache's memory is printed beside its KV pool.
 
-Run: ``python benchmarks/bench_omni.py`` (``--quick`` for a smaller run).
+(c) **Time to first audio, streamed vs not.** One spoken request whose talker
+    makes ``STREAM_CODES`` codes (its stop codes suppressed, so every round
+    speaks as long): ``generate_stream`` (token2wav on chunks while the talker
+    speaks) against ``generate`` (one whole decode once the talker is done).
+    CPU seconds from the call to the step that produced the first audio, and
+    to the last; median and range of the interleaved rounds, with the load
+    average. The tiny DiT's blocks are 4 mel frames (the published 24), so its
+    chunks are 6 codes instead of 36.
+
+(d) **How the streamed audio differs from a whole decode** (Qwen2.5-Omni's
+    DiT is not causal): random codes of several lengths and seeds through
+    the authors' chunk schedule and through one whole decode; the max abs
+    difference and the SNR (whole decode as signal), on the tiny DiT's blocks
+    (4 frames) and with its blocks widened to the published 24 frames (the
+    same weights: the block size only masks attention).
+
+Run: ``python benchmarks/bench_omni.py`` (``--quick`` for a smaller run;
+``--only streaming`` for (c) and (d) alone).
 ``--side-by-side`` instead runs both tiny checkpoints, Qwen2.5-Omni and
 Qwen3-Omni, on the same chat prompts: real-time factor per stage, and the
 caches on / off on no-hit and multi-turn work (``side_by_side``).
@@ -32,6 +49,7 @@ caches on / off on no-hit and multi-turn work (``side_by_side``).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -61,7 +79,7 @@ def build(omni: OmniModel, caches: str, **kw: Any) -> LLM:
         num_kv_blocks=kw.pop("num_kv_blocks", 2048),
         max_num_seqs=16,
         talker_max_model_len=4200,
-        talker_params=dict(TALKER),
+        talker_params=kw.pop("talker_params", dict(TALKER)),
         enable_prefix_caching=caches != "none",
         enable_tensor_prefix_cache=caches == "all",
         **kw,
@@ -140,6 +158,89 @@ def multi_turn(omni: OmniModel, caches: str, convs: int, turns: int, system_len:
     }  # fmt: skip
 
 
+STREAM_CODES = 48  # codec frames per spoken answer in (c): 0.96 s of audio
+
+
+def first_audio(omni: OmniModel, stream: bool, seed: int) -> dict[str, float]:
+    """CPU seconds to the first and to the last audio of one spoken request."""
+    talker = omni.talker_module.config
+    stops = [talker.tts_codec_pad_token_id, talker.tts_codec_start_token_id, talker.tts_codec_end_token_id]
+    llm = build(omni, "all", talker_params={"temperature": 0.0, "max_tokens": STREAM_CODES, "suppress_token_ids": stops})
+    clock = CpuClock(llm)
+    prompt = np.random.default_rng(seed).integers(0, 256, 64).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    if stream:
+        first = last = None
+        for event in llm.generate_stream(prompt, params):
+            if event.new_audio_chunks and first is None:
+                first = clock.now
+            if event.finished:
+                last, out = clock.now, event.output
+    else:
+        (out,) = llm.generate(prompt, params, use_tqdm=False)
+        first = last = out.extra["cpu_done"]
+    assert len(out.extra["codec_token_ids"]) == STREAM_CODES and first is not None and last is not None
+    return {"first": first, "last": last, "chunks": float(len(out.audio_chunks))}
+
+
+def streaming_section(omni: OmniModel, rounds: int) -> None:
+    """(c): time to first audio, streamed vs not, interleaved rounds."""
+    first_audio(omni, True, seed=-1 % 2**32)  # warm up
+    samples: dict[str, list[dict[str, float]]] = {"streamed": [], "whole": []}
+    load_before = os.getloadavg()
+    for r in range(rounds):
+        order = ["streamed", "whole"] if r % 2 == 0 else ["whole", "streamed"]
+        for name in order:
+            samples[name].append(first_audio(omni, name == "streamed", seed=r))
+    load_after = os.getloadavg()
+    print(f"(c) time to first audio: 1 request, 64 prompt tokens, 16 text tokens, {STREAM_CODES} codes "
+          f"({STREAM_CODES * 0.02:.2f} s of audio); median [min, max] of {rounds} interleaved rounds, CPU seconds; "
+          f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}")  # fmt: skip
+    for key, label in (("first", "to first audio"), ("last", "to last audio")):
+        on, off = ([s[key] for s in samples[n]] for n in ("streamed", "whole"))
+        print(f"    {label:<16}: streamed {_spread(on)}, not streamed {_spread(off)}, "
+              f"streamed/not = {statistics.median(on) / statistics.median(off):.3f}")  # fmt: skip
+    print(f"    audio chunks: streamed {samples['streamed'][0]['chunks']:.0f}, not streamed {samples['whole'][0]['chunks']:.0f}")
+
+
+def chunked_vs_whole(omni: OmniModel, lengths: tuple[int, ...], seeds: int) -> None:
+    """(d): max abs difference and SNR of the streamed decode against the whole one."""
+    import copy
+
+    from omnistage.models.chunked_vocoder import decode_in_chunks
+    from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
+
+    base = omni.token2wav
+    vocab = int(base.dit.config.num_embeds)
+    print("(d) streamed (authors' chunk schedule) vs whole decode, random codes; max |diff| and SNR, "
+          "worst over seeds")  # fmt: skip
+    for block in (int(base.dit.config.block_size), 24):
+        module = copy.deepcopy(base.token2wav)
+        module.code2wav_dit_model.config.block_size = block
+        module.code2wav_dit_model.block_size = block
+        token2wav = Qwen2_5OmniToken2Wav(module, base.speakers)
+        sched = token2wav.chunk_schedule(True)
+        print(f"    DiT block {block} frames: chunks of {sched.size} codes, {sched.lookahead} codes ahead, "
+              f"{token2wav.past_frames // 2} back, BigVGAN context {token2wav.vocoder_context} frames")  # fmt: skip
+        for n in lengths:
+            worst_abs, worst_snr, chunks = 0.0, float("inf"), 0
+            for seed in range(seeds):
+                codes = np.random.default_rng(seed).integers(0, vocab, n).tolist()
+                stream = decode_in_chunks(token2wav, codes, "Chelsie", seed)
+                whole = token2wav(codes, "Chelsie", seed=seed).astype(np.float64)
+                diff = np.concatenate(stream).astype(np.float64) - whole
+                assert diff.shape == whole.shape
+                err = float(np.sum(diff**2))
+                snr = float("inf") if err == 0 else 10 * np.log10(float(np.sum(whole**2)) / err)
+                worst_abs, worst_snr, chunks = max(worst_abs, float(np.abs(diff).max())), min(worst_snr, snr), len(stream)
+            print(f"      {n:4d} codes ({chunks} chunks): max |diff| {worst_abs:.2e}, SNR {worst_snr:6.1f} dB "
+                  f"(|whole| max ~{np.abs(whole).max():.2f})")  # fmt: skip
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):6.3f} s [{min(values):.3f}, {max(values):.3f}]"
+
+
 def interleaved(rounds: int, runs: dict[str, Callable[[int], dict[str, float]]]) -> dict[str, dict[str, float]]:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for r in range(rounds):
@@ -154,6 +255,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="a Qwen2.5-Omni folder (default: write the tiny one)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", choices=["streaming"], help="run one section alone")
     parser.add_argument("--side-by-side", action="store_true", help="only Qwen2.5-Omni beside Qwen3-Omni")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -163,6 +265,10 @@ def main() -> None:
         return
     path = args.checkpoint or write_tiny_qwen2_5_omni(tempfile.mkdtemp(prefix="bench_omni_"))
     omni = load_qwen2_5_omni(path)
+    if args.only == "streaming":
+        streaming_section(omni, rounds)
+        chunked_vs_whole(omni, (12, 48, 150), seeds=2 if args.quick else 3)
+        return
 
     # Warm up both paths once (first calls allocate and compile kernels).
     no_shared_prefixes(omni, "all", 2, 64, seed=-1 % 2**32)
@@ -204,6 +310,8 @@ def main() -> None:
     ratio = thinker.hidden_size / (2 * thinker.num_layers * thinker.num_kv_heads * thinker.head_dim)
     print(f"  rows / KV per slot = {thinker.hidden_size} / (2 x {thinker.num_layers} layers x "
           f"{thinker.num_kv_heads} KV heads x {thinker.head_dim}) = {ratio:.1%}; Qwen2.5-Omni-7B: 3584 / 28672 = 12.5%")
+    streaming_section(omni, rounds)
+    chunked_vs_whole(omni, (12, 48, 150), seeds=2 if args.quick else 3)
 
 
 def report(label: str, results: dict[str, dict[str, float]], key: str, target: float | None = None) -> None:

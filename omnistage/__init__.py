@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.outputs import CompletionOutput, RequestOutput, StreamOutput
 from omnistage.sampling_params import SamplingParams
 
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from omnistage.entrypoints.llm import LLM
 
 __version__ = _installed_version()
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamOutput"]
 
 # Importing these pulls in torch and transformers; keep `import omnistage` light.
 _LAZY = {

@@ -51,12 +51,34 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    # Omni checkpoints: the spoken answer.
+    # Omni checkpoints: the spoken answer (1-D float32), once complete.
     audio: object | None = None
     sample_rate: int | None = None
+    # The spoken answer so far, in the chunks the vocoder made (cumulative like
+    # the text: each output holds every chunk so far; ``audio`` is their
+    # concatenation once the request is finished). One chunk unless streamed.
+    audio_chunks: list | None = None
     extra: dict = field(default_factory=dict)
     # Set when the request failed inside the engine (its step raised); finish_reason is "error".
     error: str | None = None
     # What a pipeline stage hands to the next (vllm-omni's name): per-token
     # rows ("hidden_states"), a one-shot stage's outputs ("audio").
     multimodal_output: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamOutput:
+    """What ``LLM.generate_stream`` yields each time a request's answer grows.
+
+    ``output`` is the request's cumulative output so far (its text, and
+    ``audio_chunks`` for an omni checkpoint); ``new_audio_chunks`` are the
+    chunks that arrived with it, ready to play in order (1-D float32 at
+    ``output.sample_rate``); ``index`` is the prompt's position in the call."""
+
+    index: int
+    output: RequestOutput
+    new_audio_chunks: list = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished

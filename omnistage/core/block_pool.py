@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from omnistage.core.kv_cache_utils import BlockHash
 
+# ("stored", hash): a block became hittable; ("removed", hash): it no longer is;
+# ("cleared", None): every hash was forgotten.
+KVEvent = tuple[str, BlockHash | None]
+
 
 @dataclass(slots=True)
 class KVBlock:
@@ -39,6 +43,10 @@ class BlockPool:
       keeps the most shareable prefix longest.
     - A hit guarantees the block holds the KV of exactly the keyed prefix: a
       block's hash is dropped the moment it is handed out again.
+    - Events (off unless ``record_events()`` was called): every change to the
+      index, in order, for a router outside the engine that tracks which
+      replica caches which block (``take_events``). Unbounded until taken, so
+      whoever turns them on takes them every step.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -50,6 +58,7 @@ class BlockPool:
         self._free_plain: deque[int] = deque(range(num_blocks))  # free, no hash
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # free with hash; LRU first
         self._cached: dict[BlockHash, int] = {}
+        self._events: list[KVEvent] | None = None
 
     # -- queries -----------------------------------------------------------
 
@@ -71,6 +80,18 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         return self.blocks[block_id].ref_cnt == 0
+
+    # -- events ------------------------------------------------------------
+
+    def record_events(self) -> None:
+        """Start recording index changes (see the class docstring)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The index changes since the last call, oldest first."""
+        events, self._events = self._events or [], ([] if self._events is not None else None)
+        return events
 
     # -- mutations ---------------------------------------------------------
 
@@ -122,6 +143,8 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self._cached[block_hash] = block_id
+            if self._events is not None:
+                self._events.append(("stored", block_hash))
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash. Blocks in use keep their contents and owners;
@@ -133,8 +156,12 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self._events is not None:
+            self._events.append(("cleared", None))
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            if self._events is not None:
+                self._events.append(("removed", block.block_hash))
         block.block_hash = None

@@ -53,6 +53,15 @@ class EncoderScheduler:
       evict unreferenced entries, oldest first). When an item does not fit,
       the window stops just before it (possibly at 0 tokens: the request waits
       a step); items earlier in the window are unaffected.
+    - **A drafter's look-ahead** (``lookahead=1``, an EAGLE head reading the
+      input embedding of the *next* position): the item whose embeddings
+      start at the window's end is the drafter's boundary item. It is taken
+      early when it is cached (a reference) or fits this step's budget and the
+      cache (encoded now); otherwise nothing happens: the window is never
+      shrunk for it and the drafter falls back to the token embedding there,
+      so an item whose look-ahead cannot be served never stalls a request.
+      An entry needs no longer life for the drafter: it reads its positions
+      in the same step as the target, one ahead, and is done when the target is.
     - **Lifetime.** A request's reference to an item is released once the
       item's whole span has been computed (``free_computed``, after the step
       ran), or when the request finishes, is aborted or preempted (``free``).
@@ -85,20 +94,24 @@ class EncoderScheduler:
     def begin_pass(self) -> None:
         self.budget_left = self.compute_budget
 
-    def plan(self, request: Request, start: int, num_new_tokens: int) -> tuple[int, EncoderPlan | None]:
+    def plan(
+        self, request: Request, start: int, num_new_tokens: int, lookahead: int = 0
+    ) -> tuple[int, EncoderPlan | None]:
         """Items to encode for the window ``[start, start + num_new_tokens)``
-        and the window shrunk to what the budgets allow (see the class policy)."""
+        and the window shrunk to what the budgets allow; with ``lookahead``,
+        also the drafter's boundary item when it can be had (see the class policy)."""
         features = request.mm_features
         if not features or num_new_tokens <= 0:
             return num_new_tokens, None
         end = start + num_new_tokens
         lo, hi = get_mm_features_in_window(features, start, end)
-        if lo >= hi:  # decodes and text-only windows: the common case, nothing to do
-            return num_new_tokens, None
+        if lo >= hi and not (lookahead and self._boundary_items(features, end, lookahead)):
+            return num_new_tokens, None  # decodes and text-only windows: the common case, nothing to do
         manager = self.manager
         held = manager.get_cached_input_ids(request)
         plan = EncoderPlan()
         chosen: set[str] = set()
+        shrunk = False
         for k in range(lo, hi):
             feature = features[k]
             pos = feature.mm_position
@@ -121,11 +134,40 @@ class EncoderScheduler:
             # Not this step: compute only the tokens before the item. Every item
             # planned so far lies before it (spans are sorted and disjoint).
             num_new_tokens = max(pos.offset - start, 0)
+            shrunk = True
             break
+        if lookahead and not shrunk and num_new_tokens > 0:
+            # The boundary item is optional: it is skipped when it cannot be had.
+            for k in self._boundary_items(features, end, lookahead):
+                feature = features[k]
+                if k in held or k in plan.pinned or k in plan.to_encode or k in plan.same_content:
+                    continue
+                if feature.identifier in chosen:
+                    plan.same_content.append(k)
+                elif manager.check_and_update_cache(request, k):
+                    plan.pinned.append(k)
+                elif manager.can_allocate(request, k, self.budget_left - plan.num_embeds, plan.num_embeds):
+                    plan.to_encode.append(k)
+                    plan.num_embeds += feature.mm_position.get_num_embeds()
+                    chosen.add(feature.identifier)
         if num_new_tokens == 0:
             self.release(request, plan)
             return 0, None
         return num_new_tokens, plan if plan else None
+
+    @staticmethod
+    def _boundary_items(features: Sequence[MultiModalFeatureSpec], end: int, lookahead: int) -> list[int]:
+        """Items with embeddings in ``[end, end + lookahead)``: what a drafter reads past the window."""
+        lo, hi = get_mm_features_in_window(features, end, end + lookahead)
+        out = []
+        for k in range(lo, hi):
+            pos = features[k].mm_position
+            a, b = pos.get_embeds_indices_in_range(
+                max(end, pos.offset) - pos.offset, min(end + lookahead, pos.offset + pos.length) - pos.offset
+            )
+            if a < b:
+                out.append(k)
+        return out
 
     def commit(self, request: Request, plan: EncoderPlan | None) -> list[int]:
         """Take the plan's cache entries; return the input ids to encode this step."""

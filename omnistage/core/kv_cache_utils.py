@@ -27,9 +27,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
-from omnistage.multimodal.inputs import get_mm_features_in_window
+from omnistage.multimodal.inputs import MultiModalFeatureSpec, get_mm_features_in_window
 
 if TYPE_CHECKING:
     from omnistage.core.request import Request
@@ -99,6 +100,31 @@ def update_block_hashes(request: Request, block_size: int) -> None:
         end = start + block_size
         parent = hashes[-1] if hashes else None
         hashes.append(hash_block_tokens(parent, tokens[start:end], block_extra_keys(request, start, end)))
+
+
+@dataclass(frozen=True)
+class _PromptKeys:
+    """What ``block_extra_keys`` reads of a request, for a prompt not yet a ``Request``."""
+
+    mm_features: Sequence[MultiModalFeatureSpec]
+    cache_salt: str | None
+
+
+def hash_prompt_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    mm_features: Sequence[MultiModalFeatureSpec] = (),
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """The hashes of a prompt's full blocks, equal to those the scheduler gives
+    the request (a router outside the engine matches them against a replica's)."""
+    keys = _PromptKeys(mm_features, cache_salt)
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+        end = start + block_size
+        extra = block_extra_keys(keys, start, end)  # type: ignore[arg-type]
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start:end], extra))
+    return hashes
 
 
 def cdiv(a: int, b: int) -> int:

@@ -72,6 +72,9 @@ class Request:
     # Draft tokens scheduled for verification this step (speculative decoding). Never
     # part of ``all_token_ids`` or the block hashes: only verified tokens are.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A worker drafter's (EAGLE) proposal for the tokens after the last one, from
+    # the last step; scheduled (cut to what fits) as next step's drafts.
+    draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
 

@@ -23,6 +23,9 @@ class ModelRunnerOutput:
     # (the accepted drafts, then the target's own token); ``sampled_token_ids``
     # holds the last of them.
     spec_sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Worker-side drafter (EAGLE): the draft tokens proposed after this step's
+    # tokens, for the requests ``SchedulerOutput.draft_token_requests`` named.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Log-probability of the sampled token, and of the top-k when asked.
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # Per-request per-token tensors for a downstream stage (prefix rows merged

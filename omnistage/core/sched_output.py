@@ -31,6 +31,19 @@ class NewRequestData:
 
 
 @dataclass
+class ScheduledChunk:
+    """One chunk of a streaming request's output, to decode this step (a
+    vocoder stage): every input so far (``codes``), the chunk's index, and
+    whether it is the last (the inputs are final and this chunk ends them)."""
+
+    req_id: str
+    codes: list[int]
+    index: int
+    last: bool
+    payload: Any = None
+
+
+@dataclass
 class CachedRequestData:
     """A running request the worker already holds: only what changed."""
 
@@ -59,6 +72,11 @@ class SchedulerOutput:
     # known token (its ``num_scheduled_tokens`` is 1 + len(drafts)); the worker
     # verifies them in this step's forward.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Worker-side drafter (EAGLE): req_id -> how many draft tokens to propose
+    # after this step's forward, for requests that sample a token this step.
+    draft_token_requests: dict[str, int] = field(default_factory=dict)
+    # A chunked stage (a streaming vocoder): the chunks to decode this step.
+    scheduled_chunks: list[ScheduledChunk] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -14,7 +14,7 @@ from omnistage.core.kv_cache_manager import KVCacheManager
 from omnistage.core.kv_cache_utils import update_block_hashes
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from omnistage.core.spec_decode import propose_ngram
+from omnistage.core.spec_decode import propose_ngram, take_worker_drafts
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.core.runner_output import ModelRunnerOutput
 
@@ -75,6 +75,12 @@ class Scheduler:
     are appended like sampled tokens, one by one through the stop checks, and
     ``num_computed_tokens`` is rolled back past the rejected ones, so the next
     step overwrites their KV slots and only verified blocks are ever cached.
+    With a worker-side drafter (``eagle``) the drafts are the ones the worker
+    proposed after the request's last step (``draft_token_requests`` asks for
+    them, for the requests that sample), and the request's allocation also
+    covers, when the pool has it free, the ``k - 1`` slots the drafter writes
+    past the last verified token; its encoder plan looks one position ahead
+    (see ``EncoderScheduler``).
 
     Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
     window may shrink to stop before an item that cannot be encoded this
@@ -215,6 +221,7 @@ class Scheduler:
         encoder_inputs: dict[str, list[int]] = {}
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
+        draft_requests: dict[str, int] = {}
         if self.encoder is not None:
             self.encoder.begin_pass()
 
@@ -229,8 +236,13 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._propose(request, n, budget)
-            # Drafts never cost a preemption: without free slots for them, decode one token.
-            new_blocks = kv.allocate_slots(request, n + len(drafts)) if drafts else None
+            # Drafts (and the slots a drafter writes ahead) never cost a preemption:
+            # without free slots for them, decode one token.
+            new_blocks = None
+            for extra in self._speculative_slots(request, n, len(drafts)):
+                new_blocks = kv.allocate_slots(request, n + extra)
+                if new_blocks is not None:
+                    break
             if new_blocks is None:
                 drafts = []
                 new_blocks = self._allocate_or_preempt(request, n, preempted)
@@ -241,6 +253,7 @@ class Scheduler:
                 request.spec_token_ids = drafts
                 spec_tokens[request.request_id] = drafts
             self._commit(request, n + len(drafts), enc, num_scheduled, encoder_inputs)
+            self._request_drafts(request, len(drafts), draft_requests)
             budget -= n + len(drafts)
             i += 1
 
@@ -272,6 +285,7 @@ class Scheduler:
                 list(request.mm_features), request.payload, request.return_hidden_states,
             ))  # fmt: skip
             self._commit(request, n, enc, num_scheduled, encoder_inputs)
+            self._request_drafts(request, 0, draft_requests)
             budget -= n
 
         out = SchedulerOutput(
@@ -285,6 +299,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             free_encoder_mm_hashes=self.encoder.freed_hashes() if self.encoder is not None else [],
             scheduled_spec_decode_tokens=spec_tokens,
+            draft_token_requests=draft_requests,
         )
         self._finished_ids, self._aborted_ids = set(), set()
         return out
@@ -303,13 +318,13 @@ class Scheduler:
         the position inside the step: no penalties (they read the tokens
         before each position), no ``min_tokens`` still holding stop ids back,
         no logprobs (one entry per token would be needed), and no model
-        inputs beyond token ids (payloads, per-token outputs for a later
-        stage). The others decode one token a step as without speculation.
+        inputs beyond token ids (payloads). Per-token outputs for a later
+        stage are fine: the worker returns and caches the verified tokens'
+        rows only. The others decode one token a step as without speculation.
         """
         sp = request.sampling_params
         return (
             request.payload is None
-            and not request.return_hidden_states
             and sp.logprobs is None
             and not sp.has_penalties
             and request.num_output_tokens >= sp.min_tokens
@@ -330,9 +345,44 @@ class Scheduler:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         if k < 1:
             return []
+        if cfg.uses_drafter:
+            proposal, request.draft_token_ids = request.draft_token_ids, []
+            return take_worker_drafts(proposal, k, cfg.banned_token_ids)
         return propose_ngram(
             request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids
         )
+
+    def _num_drafts(self, request: Request) -> int:
+        """How many tokens a worker drafter proposes for ``request`` after this step
+        (the seam for a per-request policy; ``_propose`` cuts them to what fits)."""
+        cfg = self.config.speculative_config
+        return 0 if cfg is None else cfg.num_speculative_tokens
+
+    def _request_drafts(self, request: Request, num_drafts: int, draft_requests: dict[str, int]) -> None:
+        """Ask the worker's drafter for ``request``'s next drafts when it samples this step."""
+        cfg = self.config.speculative_config
+        if cfg is None or not cfg.uses_drafter:
+            return
+        if request.num_computed_tokens - num_drafts == request.num_tokens and self.can_speculate(request):
+            k = self._num_drafts(request)
+            if k > 0:
+                draft_requests[request.request_id] = k
+
+    def _speculative_slots(self, request: Request, n: int, num_drafts: int) -> list[int]:
+        """Slot counts past the ``n`` tokens to try allocating, most first: the
+        drafts, plus the ``k - 1`` positions a worker drafter writes its KV at
+        after the last verified token (a request that samples this step)."""
+        cfg = self.config.speculative_config
+        lookahead = 0
+        if (
+            cfg is not None
+            and cfg.uses_drafter
+            and request.num_computed_tokens + n == request.num_tokens
+            and self.can_speculate(request)
+        ):
+            room = self.max_len(request) - (request.num_tokens + num_drafts)
+            lookahead = max(0, min(self._num_drafts(request) - 1, room))
+        return [x for x in dict.fromkeys((num_drafts + lookahead, num_drafts)) if x > 0]
 
     def _schedule_encoder_inputs(
         self, request: Request, start: int, num_new_tokens: int
@@ -343,7 +393,9 @@ class Scheduler:
         entries are allocated in ``_commit``, once the KV blocks are secured."""
         if self.encoder is None:
             return num_new_tokens, None
-        return self.encoder.plan(request, start, num_new_tokens)
+        cfg = self.config.speculative_config
+        lookahead = 1 if cfg is not None and cfg.uses_drafter else 0
+        return self.encoder.plan(request, start, num_new_tokens, lookahead)
 
     def _release_encoder_plan(self, request: Request, plan: EncoderPlan | None) -> None:
         if self.encoder is not None:
@@ -377,6 +429,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []
+        request.draft_token_ids = []
         self.kv_cache_manager.free(request)
         if self.encoder is not None:  # a resumed request takes (or re-encodes) its items again
             self.encoder.free(request)
@@ -447,6 +500,8 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
+            else:
+                request.draft_token_ids = runner_output.draft_token_ids.get(rid, [])
             updated.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.finished]

@@ -1,26 +1,42 @@
-"""Speculative decoding, scheduler side: the configuration and the n-gram (prompt lookup) proposer.
+"""Speculative decoding, scheduler side: the configuration and the proposers' seam.
 
-Plain Python: the proposer reads a request's token ids and returns draft ids;
-verification (one forward over all draft positions, rejection sampling) is
-the worker's (``worker/rejection_sampler.py``).
+Plain Python. Two ways drafts come about:
+
+- ``ngram``: proposed here, at schedule time, from the request's own token
+  ids (``propose_ngram``).
+- ``eagle``: proposed by the worker's drafter after a step's target forward
+  (it needs the target's hidden states); the scheduler asks for them per
+  request (``SchedulerOutput.draft_token_requests``), keeps what comes back
+  (``ModelRunnerOutput.draft_token_ids``) and schedules it the next step
+  (``take_worker_drafts``).
+
+Either way verification (one forward over all draft positions, rejection
+sampling) is the worker's (``worker/rejection_sampler.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 # Methods vLLM names that this engine does not run yet: refused by name.
-_NOT_YET = {"eagle", "eagle3", "medusa", "mtp", "draft_model", "suffix"}
-_NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+_NOT_YET = {"eagle3", "medusa", "mtp", "draft_model", "suffix"}
+_SUPPORTED = "'ngram', 'eagle'"
+_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    "eagle": {"method", "model", "num_speculative_tokens"},
+}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}``.
+    """``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}``
+    or ``{"method": "eagle", "model": "<drafter folder>", "num_speculative_tokens": k}``.
 
-    ``banned_token_ids`` are never proposed (multimodal placeholder ids: a
+    ``model`` is the EAGLE head's checkpoint folder (``eagle`` only; the
+    prompt-lookup bounds are 0 there). ``banned_token_ids`` are never proposed (multimodal placeholder ids: a
     draft of a pad id could only be rejected); the engine fills them from the
     model, they are not a user key.
     """
@@ -30,6 +46,12 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     banned_token_ids: frozenset[int] = field(default_factory=frozenset)
+    model: str | None = None
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Drafts come from the worker's drafter (after each target forward), not the scheduler."""
+        return self.method == "eagle"
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
@@ -39,34 +61,52 @@ class SpeculativeConfig:
             raise ValueError(f"{where} must be a dict (JSON object), got {type(config).__name__}")  # noqa: TRY004
         method = config.get("method")
         if method is None:
-            raise ValueError(f"{where}: 'method' is required; supported: 'ngram'")
+            raise ValueError(f"{where}: 'method' is required; supported: {_SUPPORTED}")
         if method in _NOT_YET:
-            raise ValueError(f"{where}: method {method!r} is not supported yet; supported: 'ngram'")
-        if method != "ngram":
-            raise ValueError(f"{where}: unknown method {method!r}; supported: 'ngram'")
-        unknown = sorted(set(config) - _NGRAM_KEYS)
+            raise ValueError(f"{where}: method {method!r} is not supported yet; supported: {_SUPPORTED}")
+        if method not in _KEYS:
+            raise ValueError(f"{where}: unknown method {method!r}; supported: {_SUPPORTED}")
+        keys = _KEYS[method]
+        unknown = sorted(set(config) - keys)
         if unknown:
             raise ValueError(
-                f"{where}: unknown key {unknown[0]!r} for method 'ngram'; expected some of {sorted(_NGRAM_KEYS)}"
+                f"{where}: unknown key {unknown[0]!r} for method {method!r}; expected some of {sorted(keys)}"
             )
         if "num_speculative_tokens" not in config:
-            raise ValueError(f"{where}: 'num_speculative_tokens' is required for method 'ngram'")
+            raise ValueError(f"{where}: 'num_speculative_tokens' is required for method {method!r}")
         k = config["num_speculative_tokens"]
+        if method == "eagle":
+            model = config.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"{where}: 'model' (the EAGLE head's checkpoint folder) is required, got {model!r}")
+            _check_positive(where, "num_speculative_tokens", k)
+            return cls("eagle", k, 0, 0, model=model)
         # vLLM's defaults when a bound is left out: the other bound, else 1..3.
         n_min = config.get("prompt_lookup_min", 1)
         n_max = config.get("prompt_lookup_max", max(3, n_min) if isinstance(n_min, int) else 3)
         for key, value in (("num_speculative_tokens", k), ("prompt_lookup_max", n_max), ("prompt_lookup_min", n_min)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{where}: {key!r} must be an integer >= 1, got {value!r}")
+            _check_positive(where, key, value)
         if n_min > n_max:
             raise ValueError(f"{where}: 'prompt_lookup_min'={n_min} exceeds 'prompt_lookup_max'={n_max}")
         return cls("ngram", k, n_max, n_min)
 
     def with_banned(self, token_ids: Collection[int]) -> SpeculativeConfig:
-        return SpeculativeConfig(
-            self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min,
-            frozenset(int(t) for t in token_ids),
-        )  # fmt: skip
+        return dataclasses.replace(self, banned_token_ids=frozenset(int(t) for t in token_ids))
+
+
+def _check_positive(where: str, key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {key!r} must be an integer >= 1, got {value!r}")
+
+
+def take_worker_drafts(drafts: Sequence[int], k: int, banned: Collection[int] = ()) -> list[int]:
+    """The part of a drafter's proposal the scheduler verifies: at most ``k``
+    tokens, cut before the first banned (placeholder) id."""
+    out = list(drafts[: max(k, 0)])
+    for i, t in enumerate(out):
+        if t in banned:
+            return out[:i]
+    return out
 
 
 def propose_ngram(

@@ -93,10 +93,14 @@ class EngineArgs:
         'speculative decoding, off when unset; a JSON object: {"method": "ngram", "num_speculative_tokens": K, '
         '"prompt_lookup_max": N, "prompt_lookup_min": M}',
     )
+    data_parallel_size: int = _option(
+        1,
+        "engine replicas, each a Ray actor, behind this one engine; requests go to the replica caching their "
+        "longest prefix, else the least loaded (Ray: a local instance, or the cluster RAY_ADDRESS names)",
+    )
     # vLLM's options, for scripts written against it (module docstring: policy).
     tensor_parallel_size: int = _option(1, "must be 1: one device per model", _VLLM)
     pipeline_parallel_size: int = _option(1, "must be 1: one device per model", _VLLM)
-    data_parallel_size: int = _option(1, "must be 1: one engine per process", _VLLM)
     enforce_eager: bool = _option(False, "always true here: no CUDA graphs are captured", _VLLM)
     enable_chunked_prefill: bool | None = _option(None, "always on here: long prompts are prefilled in chunks", _VLLM)
     trust_remote_code: bool = _option(False, "ignored: checkpoint code never runs, only built-in models", _VLLM)
@@ -107,6 +111,7 @@ class EngineArgs:
             ("block_size", self.block_size >= 1),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1),
             ("max_num_seqs", self.max_num_seqs >= 1),
+            ("data_parallel_size", self.data_parallel_size >= 1),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1),
             ("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2),
@@ -120,7 +125,7 @@ class EngineArgs:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"EngineArgs.{name} is out of range: {getattr(self, name)!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 raise ValueError(
                     f"EngineArgs.{name}={getattr(self, name)!r} cannot be honoured: omnistage runs one model "

@@ -9,8 +9,9 @@ stop string later turns out to straddle a step and is cut off.
 Stage outputs: per-token rows a request returns (``ModelRunnerOutput.hidden_states``)
 are gathered step by step and handed over once, concatenated, in the finished
 output's ``multimodal_output["hidden_states"]``; a preemption drops those
-gathered so far (the resumed request returns them again). A one-shot stage's
-outputs (``multimodal_outputs``) go to ``multimodal_output`` as they are.
+gathered so far (the resumed request returns them again). A one-shot or
+chunked stage's outputs of a step (``multimodal_outputs``: a waveform, or this
+step's chunk of one) go to that step's ``multimodal_output`` as they are.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class CompletionState:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     rows: list[torch.Tensor] = field(default_factory=list)  # per-token outputs gathered so far
-    stage_outputs: dict[str, Any] = field(default_factory=dict)  # a one-shot stage's outputs
+    stage_outputs: dict[str, Any] = field(default_factory=dict)  # a one-shot / chunked stage's, of the last step
 
     def __post_init__(self) -> None:
         params = self.request.sampling_params
@@ -123,13 +124,18 @@ class RequestState:
             metrics=self.metrics,
             num_cached_tokens=cached,
         )
+        out.multimodal_output.update(first.stage_outputs)
         if self.finished:
-            out.multimodal_output.update(first.stage_outputs)
             if first.request.return_hidden_states:
                 rows = first.rows
-                out.multimodal_output["hidden_states"] = (
-                    torch.cat(rows) if len(rows) > 1 else rows[0] if rows else None
-                )
+                states = torch.cat(rows) if len(rows) > 1 else rows[0] if rows else None
+                # One row per forwarded token of the final sequence (its last token is never
+                # forwarded). Speculation can verify tokens past a stop in the same step:
+                # their rows go, like the tokens.
+                forwarded = len(self.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+                if states is not None and states.shape[0] > forwarded:
+                    states = states[:forwarded]
+                out.multimodal_output["hidden_states"] = states
         return out
 
 
@@ -209,7 +215,7 @@ class OutputProcessor:
         for cid, values in (runner_output.multimodal_outputs or {}).items():
             entry = self.children.get(cid)
             if entry is not None:
-                entry[1].stage_outputs.update(values)
+                entry[1].stage_outputs = dict(values)
         for req in updated:
             entry = self.children.get(req.request_id)
             if entry is None:

@@ -22,6 +22,7 @@ from typing import Any
 from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.core.config import SchedulerConfig
 from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
+from omnistage.core.chunked_scheduler import ChunkedScheduler
 from omnistage.core.one_shot_scheduler import OneShotScheduler
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
@@ -35,6 +36,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
 from omnistage.worker.model_runner import ModelRunner
+from omnistage.worker.chunked_runner import ChunkedRunner
 from omnistage.worker.one_shot_runner import OneShotRunner
 
 __all__ = ["EngineStats", "LLMEngine", "ProcessedInputs", "PromptType", "StageEngine"]
@@ -74,7 +76,8 @@ class StageEngine:
 
     An autoregressive stage runs the paged, prefix-cached ``Scheduler`` and
     the ``ModelRunner``; a one-shot stage (``StageSpec.kind``) the
-    ``OneShotScheduler`` and ``OneShotRunner``. A multimodal checkpoint
+    ``OneShotScheduler`` and ``OneShotRunner``; a chunked stage the
+    ``ChunkedScheduler`` and ``ChunkedRunner``. A multimodal checkpoint
     (Qwen2.5-VL, Qwen2.5-Omni thinker) also gets its ``MultiModalProcessor``
     (prompts with ``multi_modal_data``) and an encoder budget sized from the
     largest item the model accepts; ``input_modalities`` says what it takes.
@@ -100,11 +103,17 @@ class StageEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.eos_token_ids = list(getattr(loaded_model, "eos_token_ids", None) or [])
-        if spec.kind == "one_shot":
+        self.scheduler: Scheduler | OneShotScheduler | ChunkedScheduler
+        self.runner: ModelRunner | OneShotRunner | ChunkedRunner
+        if spec.kind in ("one_shot", "chunked"):
             self.vocab_size = self.max_model_len = self.num_kv_blocks = 0
             self.input_processor, self.input_modalities = spec.input_processor, frozenset()
-            self.scheduler: Scheduler | OneShotScheduler = OneShotScheduler(spec.max_requests_per_step)
-            self.runner: ModelRunner | OneShotRunner = OneShotRunner(loaded_model.model)
+            if spec.kind == "one_shot":
+                self.scheduler = OneShotScheduler(spec.max_requests_per_step)
+                self.runner = OneShotRunner(loaded_model.model)
+            else:
+                self.scheduler = ChunkedScheduler(spec.max_requests_per_step)
+                self.runner = ChunkedRunner(loaded_model.model)
         else:
             self._build_autoregressive(args, loaded_model, spec)
 
@@ -136,6 +145,13 @@ class StageEngine:
             self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, mm_processor)
             self.input_modalities = self.input_processor.input_modalities
         prefix_caching = args.enable_prefix_caching and spec.enable_prefix_caching
+        speculative_config = self._speculative_config(args, loaded_model, spec, mm_processor)
+        drafter = None
+        if speculative_config is not None and speculative_config.uses_drafter:
+            from omnistage.models.eagle_head import load_eagle_head
+
+            assert speculative_config.model is not None
+            drafter = load_eagle_head(speculative_config.model, model.hidden_size, model.dtype, args.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -147,7 +163,7 @@ class StageEngine:
                 encoder_compute_budget=encoder_budget,
                 encoder_cache_size=encoder_cache_size,
                 retain_encoder_outputs=args.enable_encoder_cache,
-                speculative_config=self._speculative_config(args, loaded_model, spec, mm_processor),
+                speculative_config=speculative_config,
             )
         )
         self.runner = ModelRunner(
@@ -164,6 +180,7 @@ class StageEngine:
             # staged and committed whenever the model declares them.
             enable_tensor_cache=spec.enable_tensor_cache
             and (prefix_caching or bool(tensor_cache_policy_of(getattr(loaded_model, "mm_adapter", None) or loaded_model.model).deferred_keys)),
+            drafter=drafter,
         )
 
     @staticmethod
@@ -172,21 +189,18 @@ class StageEngine:
     ) -> SpeculativeConfig | None:
         """``args.speculative_config`` for the scheduler, with the model's
         placeholder ids (never proposed); refused for stages whose model reads
-        more than token ids or hands per-token outputs on (not supported yet)."""
+        more than token ids (payload-driven stages such as the talker: not
+        supported yet). Stages that hand per-token outputs on (the thinker)
+        speculate: only verified tokens' rows are returned and cached."""
         if args.speculative_config is None:
             return None
         config = SpeculativeConfig.from_dict(args.speculative_config)
         model = loaded_model.model
-        stage_model = getattr(loaded_model, "mm_adapter", None) or model
-        if (
-            spec.input_processor is not None
-            or hasattr(model, "step_inputs")
-            or tensor_cache_policy_of(stage_model).caches_anything
-        ):
+        if spec.input_processor is not None or hasattr(model, "step_inputs"):
             name = spec.name or type(model).__name__
             raise ValueError(
-                f"speculative_config is not supported yet for the {name!r} stage: it reads a payload or hands "
-                "per-token outputs to a later stage; speculation runs on text and vision-language models"
+                f"speculative_config is not supported yet for the {name!r} stage: its model reads a payload "
+                "beyond token ids; speculation runs on text, vision-language and omni thinker stages"
             )
         placeholders = getattr(mm_processor, "placeholder_ids", None) or {}
         return config.with_banned(placeholders.values())
@@ -278,6 +292,14 @@ class StageEngine:
         if extra_eos and not params.ignore_eos:
             changes["stop_token_ids"] = list(params.stop_token_ids) + extra_eos
         return dataclasses.replace(params, **changes)
+
+    def extend_request(self, request_id: str, codes: list[int], final: bool) -> None:
+        """A chunked stage: a running request's inputs so far (they extend the
+        ones it was added with, or last extended with); ``final``: no more come.
+        Ids that ended (aborted) are ignored."""
+        if not isinstance(self.scheduler, ChunkedScheduler):
+            raise TypeError(f"stage {self.spec.name!r} is {self.spec.kind!r}; only a chunked stage takes more input")
+        self.scheduler.extend_request(request_id, codes, final)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (by the ids given to ``add_request``); unknown ids are ignored."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from omnistage.engine.arg_utils import EngineArgs
@@ -12,7 +12,7 @@ from omnistage.engine.factory import Engine, build_engine
 from omnistage.engine.omni.qwen2_5_omni import OmniOptions
 from omnistage.engine.stage_engine import EngineStats, PromptType
 from omnistage.entrypoints.progress import ProgressBar
-from omnistage.outputs import RequestOutput
+from omnistage.outputs import RequestOutput, StreamOutput
 from omnistage.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -87,6 +87,28 @@ class LLM:
         """
         return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm, return_audio, speaker, talker_params)
 
+    def generate_stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        return_audio: bool | None = None,
+        speaker: str | None = None,
+        talker_params: dict[str, Any] | None = None,
+    ) -> Iterator[StreamOutput]:
+        """``generate``, as it happens: a ``StreamOutput`` each time a request's
+        text grows or a chunk of its audio is made, then its finished output.
+
+        Audio is decoded in the vocoder's streaming chunks while the talker
+        speaks (``new_audio_chunks``; concatenated, they are the finished
+        output's ``audio``). For Qwen2.5-Omni that chunked decode is its
+        authors' streaming schedule, close to but not equal to ``generate``'s
+        whole decode (see docs/omni_pipeline.md). Leaving the loop early (or
+        an error) aborts the requests still running, freeing every stage.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        return self._stream(prompt_list, sampling_params, return_audio, speaker, talker_params, stream_audio=True)
+
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
@@ -123,6 +145,29 @@ class LLM:
         speaker: str | None,
         talker_params: dict[str, Any] | None,
     ) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = ProgressBar(len(prompts)) if use_tqdm else None
+        try:
+            for event in self._stream(prompts, sampling_params, return_audio, speaker, talker_params):
+                if bar is not None:
+                    bar.update(event.output)
+                if event.finished:
+                    results[event.index] = event.output
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]
+
+    def _stream(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        return_audio: bool | None,
+        speaker: str | None,
+        talker_params: dict[str, Any] | None,
+        stream_audio: bool = False,
+    ) -> Iterator[StreamOutput]:
+        """Queue every prompt (all or none), then step the engine, yielding what changed."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -133,7 +178,10 @@ class LLM:
         speaks = "audio" in self.output_modalities
         if not speaks and (return_audio or speaker is not None or talker_params):
             raise ValueError("this model cannot return audio: return_audio, speaker and talker_params need an omni checkpoint with a talker")
-        audio = {"return_audio": return_audio, "speaker": speaker, "talker_params": talker_params} if speaks else {}
+        audio: dict[str, Any] = {}
+        if speaks:
+            audio = {"return_audio": return_audio, "speaker": speaker, "talker_params": talker_params,
+                     "stream_audio": stream_audio}  # fmt: skip
         request_ids = [str(next(self._ids)) for _ in prompts]
         # Tokenize and process media first: a bad prompt raises before anything is queued.
         processed = [engine.process_inputs(rid, prompt) for rid, prompt in zip(request_ids, prompts)]
@@ -145,26 +193,24 @@ class LLM:
         except ValueError:
             engine.abort_request(list(order))  # leave the engine as it was
             raise
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = ProgressBar(len(prompts)) if use_tqdm else None
+        chunks_seen: dict[str, int] = {}
+        unfinished = set(order)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id not in order:
                         continue
-                    if bar is not None:
-                        bar.update(out)
                     if out.error is not None:
                         raise RuntimeError(out.error)
+                    seen = chunks_seen.get(out.request_id, 0)
+                    new_chunks = list(out.audio_chunks[seen:]) if out.audio_chunks else []
+                    chunks_seen[out.request_id] = seen + len(new_chunks)
                     if out.finished:
-                        results[order[out.request_id]] = out
-        except BaseException:
-            engine.abort_request(list(order))
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [r for r in results if r is not None]
+                        unfinished.discard(out.request_id)
+                    yield StreamOutput(order[out.request_id], out, new_chunks)
+        finally:  # an error, or a caller that left the loop (GeneratorExit): free what is still running
+            if unfinished:
+                engine.abort_request(list(unfinished))
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -57,12 +57,15 @@ def summary_line(engine: Any, seconds: float) -> str:
     """``loaded NAME (dtype, device) in S s: KV cache B blocks x T tokens = N tokens, context L``."""
     core = core_engine(engine)
     loaded = core.loaded_model
-    dtype = str(getattr(loaded.model, "dtype", core.args.dtype)).removeprefix("torch.")
+    # A data-parallel engine holds no model here: its dtype is the one asked for.
+    dtype = str(getattr(getattr(loaded, "model", None), "dtype", core.args.dtype)).removeprefix("torch.")
     block = core.args.block_size
     speaks = ", speaks" if can_speak(engine) else ""
+    replicas = core.args.data_parallel_size
+    each = f" in each of {replicas} replicas (Ray)" if replicas > 1 else ""
     return (
         f"omnistage: loaded {loaded.name} ({dtype}, {core.args.device}{speaks}) in {seconds:.1f} s: "
-        f"KV cache {core.num_kv_blocks} blocks x {block} tokens = {core.num_kv_blocks * block} tokens, "
+        f"KV cache {core.num_kv_blocks} blocks x {block} tokens = {core.num_kv_blocks * block} tokens{each}, "
         f"context {core.max_model_len} tokens"
     )
 

@@ -17,6 +17,10 @@ writes), with fixed-seed random weights small enough for a CPU. Point
 - :mod:`~omnistage.testing.tiny_qwen3_omni_checkpoint`: the whole Qwen3-Omni
   model (MoE thinker, talker + code predictor, code2wav, speakers in its
   config), ``write_tiny_qwen3_omni``.
+- :mod:`~omnistage.testing.tiny_eagle`: an EAGLE-1 draft head for any of
+  those targets, in the layout vLLM loads, ``write_tiny_eagle_head(target,
+  path)`` (random, or ``mimic_target_layer=True`` for one that copies the
+  target's first layer).
 - :mod:`~omnistage.testing.hf_reference`: run ``transformers`` as the
   reference: the keyword arguments of its forward / ``generate`` for a
   prompt omnistage processed, and what its Qwen2.5-Omni ``generate`` passes
@@ -45,6 +49,7 @@ from omnistage.testing.tiny_mm_checkpoints import (
     write_tiny_qwen2_5_omni_thinker,
     write_tiny_qwen2_5_vl,
 )
+from omnistage.testing.tiny_eagle import write_tiny_eagle_head
 from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
 
@@ -53,6 +58,7 @@ __all__ = [
     "TINY_ARCHS",
     "build_tiny_tokenizer",
     "write_tiny_checkpoint",
+    "write_tiny_eagle_head",
     "write_tiny_qwen2_5_omni",
     "write_tiny_qwen2_5_omni_thinker",
     "write_tiny_qwen2_5_vl",

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from omnistage.attention.paged_attention import allocate_kv_caches, build_attention_metadata
+from omnistage.attention.paged_attention import (
+    allocate_kv_caches,
+    build_attention_metadata,
+)
 from omnistage.core.runner_output import ModelRunnerOutput
 from omnistage.core.sched_output import NewRequestData, SchedulerOutput
 from omnistage.models.interface import tensor_cache_policy_of
+from omnistage.worker.host_copy import (
+    CopyDevice,
+    CudaCopyDevice,
+    HostCopier,
+    PendingRows,
+)
 from omnistage.worker.input_batch import BatchStep, InputBatch
 from omnistage.worker.mm.encoder_cache import EncoderCache
 from omnistage.worker.model_state import ModelState
+from omnistage.worker.eagle_proposer import EagleProposer
 from omnistage.worker.rejection_sampler import RejectionSampler
 from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingState
 from omnistage.worker.tensor_prefix_cache import StepTensorCache
@@ -74,9 +85,16 @@ class ModelRunner:
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
         enable_tensor_cache: bool = True,
+        drafter: Any | None = None,
+        copy_device: CopyDevice | None = None,
     ) -> None:
         self.model = loaded_model.model
         self.device = torch.device(device)
+        # Per-token rows leave a CUDA device through a side stream into reused pinned
+        # buffers; ``copy_device`` replaces that device half (tests: DeferredCopyDevice).
+        if copy_device is None and self.device.type == "cuda":
+            copy_device = CudaCopyDevice(self.device)
+        self.host_copier = HostCopier(copy_device) if copy_device is not None else None
         self.block_size = block_size
         m = self.model
         self.kv_caches = allocate_kv_caches(
@@ -119,6 +137,11 @@ class ModelRunner:
         self.tensor_cache: StepTensorCache | None = None
         if enable_tensor_cache and policy.caches_anything:
             self.tensor_cache = StepTensorCache(policy, num_kv_blocks, block_size, m.hidden_size, m.dtype)
+        # Speculative decoding with a worker-side drafter (an EAGLE head): it runs after
+        # every target forward over the verified tokens and drafts for the next step.
+        self.proposer: EagleProposer | None = None
+        if drafter is not None:
+            self.proposer = EagleProposer(drafter, m, num_kv_blocks, block_size, max_model_len, self.device)
 
     # -- batch bookkeeping ----------------------------------------------------
 
@@ -236,8 +259,18 @@ class ModelRunner:
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, metadata, self.kv_caches, inputs_embeds=inputs.inputs_embeds
         )
-        rows = self._per_token_rows(step, hidden)
-        out = self.sample(step, hidden) if not drafts else self._sample_with_drafts(step, hidden, drafts)
+        if drafts:
+            out = self._sample_with_drafts(step, hidden, drafts)
+            # From here on only verified tokens count: rejected drafts' rows never
+            # reach the tensor prefix cache, a later stage or the drafter. (The rows'
+            # copy cannot overlap sampling here: which rows are valid is known after.)
+            if out.spec_sampled_token_ids:
+                step, hidden = self._verified(step, hidden, out.spec_sampled_token_ids)
+            pending_rows = self._start_per_token_rows(step, hidden)
+        else:
+            pending_rows = self._start_per_token_rows(step, hidden)  # copied to the host under sampling
+            out = self.sample(step, hidden)
+        rows = self._per_token_rows(step, *pending_rows) if pending_rows else {}
         if rows:
             out.hidden_states = rows
         if self._deferred_keys:
@@ -247,8 +280,44 @@ class ModelRunner:
             deferred = self.stage_model.deferred_outputs(step, hidden, out)
             if deferred and self.tensor_cache is not None:
                 self.tensor_cache.stage_deferred(step, self.input_batch, deferred)
+        if self.proposer is not None:
+            out.draft_token_ids = self.proposer.propose(
+                step, hidden, self.input_batch, so.draft_token_requests, self.model_state
+            )
         out.failed_req_ids = dict(self._failed)
         return out
+
+    def _verified(
+        self, step: BatchStep, hidden: torch.Tensor, emitted: dict[str, list[int]]
+    ) -> tuple[BatchStep, torch.Tensor]:
+        """The step cut to its verified tokens: a speculating request keeps its
+        last known token and its accepted drafts (as many as it emitted
+        tokens), the others all their tokens; with the hidden rows to match."""
+        n = step.num_scheduled_tokens.copy()
+        for i, req_id in enumerate(step.req_ids):
+            tokens = emitted.get(req_id)
+            if tokens is not None:
+                n[i] = len(tokens)
+        qsl = step.query_start_loc
+        keep = np.concatenate([np.arange(qsl[i], qsl[i] + n[i]) for i in range(len(n))]) if len(n) else qsl[:0]
+        index = torch.from_numpy(keep).to(self.device)
+        new_qsl = np.zeros_like(qsl)
+        np.cumsum(n, out=new_qsl[1:])
+        seq_lens = step.num_computed_tokens + n
+        sampled = set(step.sampling_req_ids)
+        samples = np.fromiter((r in sampled for r in step.req_ids), dtype=bool, count=len(step.req_ids))
+        verified = dataclasses.replace(
+            step,
+            num_scheduled_tokens=n,
+            query_start_loc=new_qsl,
+            seq_lens=seq_lens,
+            num_tokens=int(new_qsl[-1]),
+            input_ids=step.input_ids.index_select(0, index),
+            positions=step.positions.index_select(0, index),
+            slot_mapping=step.slot_mapping.index_select(0, index),
+            logits_indices=torch.from_numpy(new_qsl[1:][samples] - 1).to(self.device),
+        )
+        return verified, hidden.index_select(0, index)
 
     def _prepare_step(self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]) -> BatchStep:
         """The packed batch; draft tokens are written after their requests'
@@ -321,27 +390,38 @@ class ModelRunner:
                 positions[:, qsl[i] : qsl[i] + stop - start] = table[:, start:stop]
         return torch.from_numpy(positions).to(self.device)
 
-    def _per_token_rows(self, step: BatchStep, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """This step's per-token outputs of the requests that return them, on the host,
-        with the cached prefix rows merged in for a request's first step after a hit;
-        also written to the tensor prefix cache for later hits."""
+    def _start_per_token_rows(self, step: BatchStep, hidden: torch.Tensor) -> tuple | None:
+        """Begin this step's per-token outputs: None when no request reads rows and
+        none are cached; else what ``_per_token_rows`` needs, with the rows' copy to
+        the host started (on a device, a side-stream copy that sampling overlaps)."""
         wanted = [i for i, r in enumerate(step.req_ids) if r in self._returns_rows] if self._returns_rows else []
         cache = self.tensor_cache
         if cache is not None and not cache.policy.full_prefix_hidden:
             cache = None  # it caches deferred keys only: no rows to write or merge here
         if not wanted and cache is None:
-            return {}  # no request reads rows and none are cached: no extra work
+            return None  # no extra work
         n = step.num_tokens
         states = self.stage_model.per_token_outputs(hidden[:n], step.input_ids[:n])
-        if states.device.type != "cpu":
-            # One device-to-host copy per step, shared by the cache write, the merge and
-            # the hand-off (all on the host). TODO: pinned buffer + side stream on GPUs.
+        if self.host_copier is not None:
+            return wanted, cache, self.host_copier.start(states)
+        return wanted, cache, states
+
+    def _per_token_rows(
+        self, step: BatchStep, wanted: list[int], cache: StepTensorCache | None, states: Any
+    ) -> dict[str, torch.Tensor]:
+        """This step's per-token outputs of the requests that return them, on the host,
+        with the cached prefix rows merged in for a request's first step after a hit;
+        also written to the tensor prefix cache for later hits."""
+        if isinstance(states, PendingRows):
+            states = states.wait()  # the step's one wait on the copy, shared by all uses
+        elif states.device.type != "cpu":
             states = states.to("cpu")
         if cache is None:
             parts = torch.split_with_sizes(states, step.num_scheduled_tokens.tolist())
             return {step.req_ids[i]: parts[i] for i in wanted}
         cache.write(step, states)
-        # Views of this step's fresh ``states`` (merged copies on hits): nothing reuses them.
+        # Views of this step's ``states`` (merged copies on hits); the host buffer
+        # under them is reused only once the consumers have freed every view.
         return cache.merge(step, self.input_batch, states, wanted) if wanted else {}
 
     def sample(self, step: BatchStep, hidden: torch.Tensor) -> ModelRunnerOutput:

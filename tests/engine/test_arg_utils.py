@@ -93,10 +93,19 @@ def test_vllm_arguments_are_accepted_and_ignored_ones_warn_once(caplog):
     assert len(caplog.records) == 3  # once per process
 
 
-@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_parallelism_that_cannot_be_honoured_is_refused(field):
     with pytest.raises(ValueError, match=f"{field}=2 cannot be honoured"):
         EngineArgs(**{field: 2})
+
+
+def test_data_parallel_size_is_honoured_and_bounded():
+    """Replicas on Ray (engine/distributed); the flag parses like every other field."""
+    assert EngineArgs(data_parallel_size=3).data_parallel_size == 3
+    with pytest.raises(ValueError, match="data_parallel_size is out of range"):
+        EngineArgs(data_parallel_size=0)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--data-parallel-size", "2"])).data_parallel_size == 2
 
 
 def test_gpu_memory_utilization_must_be_a_fraction():

@@ -287,7 +287,7 @@ def state_of(engine: StageEngine | OmniPipeline, rid: str) -> str | None:
         request = engine.stages[name].scheduler.requests.get(rid)
         if request is not None:
             return f"{name}-{_autoregressive_state(request)}"
-    if rid in engine.stages["token2wav"].scheduler.waiting:
+    if rid in engine.stages["token2wav"].scheduler.streams:  # between steps a vocoder request waits
         return "token2wav-waiting"
     return None
 

@@ -71,8 +71,8 @@ def _assert_held_nothing(engine):
 def test_config_from_dict_and_errors_name_the_key():
     cfg = SpeculativeConfig.from_dict(NGRAM)
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (4, 3, 1)
-    with pytest.raises(ValueError, match="'eagle' is not supported yet"):
-        SpeculativeConfig.from_dict({"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'eagle3' is not supported yet"):
+        SpeculativeConfig.from_dict({"method": "eagle3", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown method 'bogus'"):
         SpeculativeConfig.from_dict({"method": "bogus", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown key 'lookahead'"):
@@ -98,7 +98,7 @@ def test_llm_takes_speculative_config(copying):
     llm = LLM(loaded, speculative_config=NGRAM)
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == off[0].outputs[0].token_ids
     assert llm.get_stats().num_accepted_tokens > 0
-    with pytest.raises(ValueError, match="'eagle' is not supported yet"):
+    with pytest.raises(ValueError, match="'model' .* is required"):
         LLM(loaded, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
 
 
@@ -308,9 +308,9 @@ def test_suppressed_and_allowed_tokens_speculate(temperature, copying):
     _assert_held_nothing(engine)
 
 
-def test_omni_thinker_with_audio_and_a_thinker_for_a_talker_refused(tmp_path, monkeypatch):
+def test_omni_thinker_with_audio_and_a_payload_stage_refused(tmp_path, monkeypatch):
     """A Qwen2.5-Omni thinker serving text speculates (same outputs, audio in);
-    a thinker whose rows go to a talker is refused (not supported yet)."""
+    so does a thinker whose rows go to a talker; a payload-driven stage is refused."""
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
     from utils_mm import chat_prompt, clip, hf_greedy_mm, write_sensitive_checkpoint
 
@@ -330,7 +330,11 @@ def test_omni_thinker_with_audio_and_a_thinker_for_a_talker_refused(tmp_path, mo
     assert on[0] == hf_greedy_mm(hf, proc.process(prompts[0]), 10)
     assert engine.get_stats().num_draft_tokens > 0
     _assert_held_nothing(engine)
+    # A thinker whose rows go to a talker speculates (only verified rows are handed on:
+    # tests/engine/omni/test_omni_spec.py); a stage whose inputs are payloads is refused.
     monkeypatch.setattr(loaded.mm_adapter, "tensor_cache_policy", THINKER_FOR_TALKER_POLICY, raising=False)
+    assert make_engine(loaded, speculative_config=NGRAM).runner.tensor_cache is not None
+    monkeypatch.setattr(loaded.model, "step_inputs", lambda *args: None, raising=False)
     with pytest.raises(ValueError, match="speculative_config is not supported yet for the 'llm' stage"):
         make_engine(loaded, speculative_config=NGRAM)
 

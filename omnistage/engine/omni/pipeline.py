@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnistage.core.chunk_schedule import ChunkSchedule
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import ProcessedInputs, PromptType
 from omnistage.engine.stage import StageHeld
@@ -43,10 +44,13 @@ class _Pending:
     seed: int
     talker_params: TalkerParams | None  # None: no audio asked
     grids: dict[str, torch.Tensor | None]  # the prompt's grids, for the talker's positions
+    stream_audio: bool = False  # decode in the vocoder's streaming chunks
     output: RequestOutput | None = None  # the thinker's, once finished
     codes: list[int] | None = None  # the talker's, once finished
     talker_state: Any = None  # the talker stage's payload (Qwen3-Omni: its frames)
     frames: list[list[int]] | None = None  # every code group of each frame the vocoder got (Qwen3-Omni)
+    vocoding: bool = False  # in the vocoder stage (added once its first chunk was ready)
+    audio_chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
 class OmniPipeline:
@@ -58,11 +62,16 @@ class OmniPipeline:
     options.
 
     A request that the thinker finishes this step enters the talker in the
-    same step, and likewise from the talker to token2wav. ``step()`` returns
-    cumulative outputs as a stage engine does: the thinker's text while it
-    is generated, and, for a request that asked for audio, the text again
-    reported unfinished (no finish reason) until its audio is done; then the
-    complete output once, with ``audio`` (1-D float32) and ``sample_rate``.
+    same step. It enters the vocoder stage (a chunked stage) in the step its
+    first chunk is ready: for a whole decode when the talker finishes, for a
+    streamed one (``stream_audio=True``) once the talker has made the codes of
+    the vocoder's first streaming chunk; from then on each talker step hands
+    it the codes so far. ``step()`` returns cumulative outputs as a stage
+    engine does: the thinker's text while it is generated, and, for a request
+    that asked for audio, the text again reported unfinished (no finish
+    reason) with ``audio_chunks`` growing as the vocoder makes them; then the
+    complete output once, with ``audio`` (1-D float32, the chunks
+    concatenated) and ``sample_rate``.
 
     A request that fails in a stage, or whose hand-off to the next stage
     fails, ends alone: its output comes back finished with ``error`` set and
@@ -176,12 +185,15 @@ class OmniPipeline:
         return_audio: bool | None = None,
         speaker: str | None = None,
         talker_params: TalkerParams | dict[str, Any] | None = None,
+        stream_audio: bool = False,
     ) -> None:
         """Queue a request; raises ValueError, queuing nothing, when it cannot run.
 
         ``return_audio=None`` speaks when the checkpoint can; ``speaker=None``
         is the checkpoint's default voice; ``talker_params`` override the
-        talker's sampling for this request."""
+        talker's sampling for this request; ``stream_audio`` decodes its audio
+        in the vocoder's streaming chunks while the talker speaks (else one
+        whole decode, which for Qwen2.5-Omni equals transformers')."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if request_id in self._pending:
             raise ValueError(f"request {request_id!r}: a request with this id is already running")
@@ -200,7 +212,8 @@ class OmniPipeline:
         inputs = self.thinker.process_inputs(request_id, prompt)
         self.thinker.add_request(request_id, inputs, params, arrival_time, return_hidden_states=return_audio)
         seed = self.seed if params.seed is None else params.seed
-        self._pending[request_id] = _Pending(name, bos, seed, chosen, _grid_fields(inputs.mm_features))
+        grids = _grid_fields(inputs.mm_features)
+        self._pending[request_id] = _Pending(name, bos, seed, chosen, grids, stream_audio=bool(stream_audio))
 
     def _talker_params(self, overrides: TalkerParams | dict[str, Any] | None) -> TalkerParams:
         assert self.default_talker_params is not None
@@ -251,10 +264,10 @@ class OmniPipeline:
                 self._thinker_finished(out, pending, done)
             if out.request_id in self._pending:  # text still streaming, or audio to come
                 progress.append(out if not out.finished else _still_running(out))
-        elif out.finished and name == "talker":
-            self._talker_finished(out, pending)
-        elif out.finished:
-            self._finish(out.request_id, out.multimodal_output["audio"], done)
+        elif name == "talker":
+            self._talker_codes(out, pending)
+        else:
+            self._vocoded(out, pending, progress, done)
 
     def _thinker_finished(self, out: RequestOutput, pending: _Pending, done: list[RequestOutput]) -> None:
         rid = out.request_id
@@ -266,7 +279,7 @@ class OmniPipeline:
             return
         prompt_ids, output_ids = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         if len(output_ids) < 2:  # the talker has nothing to condition on
-            self._finish(rid, np.zeros(0, dtype=np.float32), done)
+            self._finish(rid, [], done)
             return
         expected = len(prompt_ids) + len(output_ids) - 1
         got = 0 if states is None else states.shape[0]
@@ -303,19 +316,54 @@ class OmniPipeline:
         )
         talker.add_request(rid, inputs, sampling)
 
-    def _talker_finished(self, out: RequestOutput, pending: _Pending) -> None:
+    def _talker_codes(self, out: RequestOutput, pending: _Pending) -> None:
+        """Hand the talker's codes so far to the vocoder stage (adding the request
+        there once its first chunk is ready, or when the codes are final)."""
         completion = out.outputs[0]
         codes = list(completion.token_ids)
-        stops = pending.talker_params.stop_token_ids if pending.talker_params else ()
-        if completion.finish_reason == "stop" and codes and codes[-1] in stops:
-            codes.pop()  # the stop code is not audio
-        pending.codes = codes
+        if out.finished:
+            stops = pending.talker_params.stop_token_ids if pending.talker_params else ()
+            if completion.finish_reason == "stop" and codes and codes[-1] in stops:
+                codes.pop()  # the stop code is not audio
+            pending.codes = codes
+        units: list[Any] = codes  # what the vocoder decodes
         frames = getattr(pending.talker_state, "frames", None)
         if frames is not None:
-            # The last sampled code has no frame (transformers never predicts its residual codes).
-            frames = pending.frames = [list(f) for f in frames[: max(0, len(completion.token_ids) - 1)]]
-        request = Token2WavRequest(out.request_id, codes, pending.speaker, pending.seed, frames)
-        self.stages["token2wav"].add_request(out.request_id, request)
+            # Qwen3-Omni: whole frames (every code group). The last sampled code's frame is
+            # never audio (transformers never predicts its residual codes): a frame is final
+            # once a later code exists, and at the end the vocoder gets len(codes) - 1 frames.
+            units = [list(f) for f in frames[: max(0, len(completion.token_ids) - 1)]]
+            if out.finished:
+                pending.frames = units
+        vocoder = self.stages["token2wav"]
+        rid = out.request_id
+        if not pending.vocoding:
+            if not out.finished and not self.vocoder_schedule(pending.stream_audio).num_ready(len(units), False):
+                return
+            request = Token2WavRequest(rid, units, pending.speaker, pending.seed, stream=pending.stream_audio)
+            vocoder.add_request(rid, request)
+            pending.vocoding = True
+        vocoder.extend_request(rid, units, final=out.finished)
+
+    def vocoder_schedule(self, stream: bool) -> ChunkSchedule:
+        """The vocoder's chunk schedule for a streamed (or whole) decode."""
+        return self.stages["token2wav"].loaded_model.model.chunk_schedule(stream)
+
+    def _vocoded(self, out: RequestOutput, pending: _Pending, progress: list[RequestOutput], done: list[RequestOutput]) -> None:
+        """A chunk of audio: reported as progress, or, the last, completing the request."""
+        chunk = out.multimodal_output["audio"]
+        if chunk.dtype != np.float32 or chunk.ndim != 1:
+            raise RuntimeError(f"request {out.request_id!r}: the vocoder gave {chunk.dtype} {chunk.shape}, expected 1-D float32")
+        pending.audio_chunks.append(chunk)
+        assert pending.output is not None
+        if len(pending.audio_chunks) == 1:
+            pending.output.extra["first_audio_time"] = time.monotonic()
+        if out.finished:
+            self._finish(out.request_id, pending.audio_chunks, done)
+        else:
+            running = _still_running(pending.output)
+            running.audio_chunks, running.sample_rate = list(pending.audio_chunks), self.sample_rate
+            progress.append(running)
 
     def _fail(self, out: RequestOutput, pending: _Pending, done: list[RequestOutput]) -> None:
         final = pending.output or out  # a later stage's failure ends the thinker's finished output
@@ -323,13 +371,12 @@ class OmniPipeline:
         self.abort_request(out.request_id)
         done.append(final)
 
-    def _finish(self, rid: str, audio: np.ndarray, done: list[RequestOutput]) -> None:
+    def _finish(self, rid: str, chunks: list[np.ndarray], done: list[RequestOutput]) -> None:
         pending = self._pending.pop(rid)
         out = pending.output
         assert out is not None
-        if audio.dtype != np.float32 or audio.ndim != 1:
-            raise RuntimeError(f"request {rid!r}: token2wav gave {audio.dtype} {audio.shape}, expected 1-D float32")
-        out.audio, out.sample_rate = audio, self.sample_rate
+        audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+        out.audio, out.audio_chunks, out.sample_rate = audio, list(chunks), self.sample_rate
         out.extra["codec_token_ids"] = list(pending.codes or [])
         if pending.frames is not None:
             out.extra["codec_frames"] = pending.frames

@@ -6,7 +6,8 @@
 - **talker**: codec tokens from those rows, on a paged scheduler of its own,
   prefix caching off (its token ids do not identify what the tokens hold);
   it consumes a ``TalkerRequest`` and samples with the ``TalkerParams``;
-- **token2wav**: one-shot, codes to a waveform per request.
+- **token2wav**: a chunked stage, codes to a waveform per request: one whole
+  decode, or streamed in the DiT's chunks while the talker speaks.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import ProcessedInputs
 from omnistage.engine.omni.pipeline import OmniPipeline
 from omnistage.engine.omni.stage_io import TalkerParams, TalkerRequest, Token2WavRequest
 from omnistage.engine.stage import StageSpec
 from omnistage.engine.stage_engine import StageEngine
+from omnistage.models.chunked_vocoder import ChunkedVocoder
 from omnistage.models.loader import LoadedModel
 from omnistage.models.qwen2_5_omni import OmniModel
 from omnistage.models.qwen2_5_omni_talker import Qwen2_5OmniTalker
@@ -47,7 +47,8 @@ class OmniOptions:
     - ``talker_max_num_seqs``, ``talker_num_kv_blocks``, ``talker_max_model_len``:
       the talker stage's limits (default: the thinker's batch size, a 256 MiB
       pool, the thinker's length + 2 + the talker's ``max_tokens``);
-    - ``token2wav_requests_per_step``: waveforms decoded per pipeline step.
+    - ``token2wav_requests_per_step``: requests whose next chunk (or whole
+      waveform) is decoded per pipeline step.
     """
 
     talker_params: dict[str, Any] | None = None
@@ -80,24 +81,17 @@ class TalkerInputs:
 
 
 class Token2WavInputs:
-    """The vocoder stage's input processor: the codes ride along as the payload
-    (the speaker was resolved when the request entered the pipeline)."""
+    """The vocoder stage's input processor: the request rides along as the
+    payload, with the vocoder's chunk schedule for its decode (the speaker was
+    resolved when the request entered the pipeline). Each request's noise
+    comes from its own seed, so its audio does not depend on what ran before."""
+
+    def __init__(self, vocoder: ChunkedVocoder) -> None:
+        self.vocoder = vocoder
 
     def process(self, request_id: str, request: Token2WavRequest) -> ProcessedInputs:
-        return ProcessedInputs(None, list(request.codes), payload=request)
-
-
-class Token2WavModel:
-    """Qwen2.5-Omni's token2wav as a one-shot stage model: ``{"audio": 1-D float32}``.
-
-    Each request's initial noise comes from its own seed, so its audio does
-    not depend on what ran before it."""
-
-    def __init__(self, token2wav: Qwen2_5OmniToken2Wav) -> None:
-        self.token2wav = token2wav
-
-    def __call__(self, request: Token2WavRequest) -> dict[str, np.ndarray]:
-        return {"audio": self.token2wav(request.codes, request.speaker, seed=request.seed)}
+        payload = dataclasses.replace(request, schedule=self.vocoder.chunk_schedule(request.stream))
+        return ProcessedInputs(None, list(request.codes), payload=payload)
 
 
 def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions | None = None) -> OmniPipeline:
@@ -120,6 +114,7 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
         kv_cache_memory_bytes=TALKER_KV_CACHE_BYTES,
         max_num_seqs=options.talker_max_num_seqs or args.max_num_seqs,
         max_model_len=max_len,
+        speculative_config=None,  # the thinker speculates; the talker's inputs are payloads
     )
     talker_model = LoadedModel(
         model=omni.paged_talker,  # type: ignore[arg-type]
@@ -134,18 +129,19 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
     talker = StageEngine(
         talker_args, talker_model, StageSpec("talker", input_processor=TalkerInputs(prep), enable_prefix_caching=False)
     )
+    token2wav: Qwen2_5OmniToken2Wav = omni.token2wav  # type: ignore[assignment]
     vocoder_model = dataclasses.replace(
-        talker_model, model=Token2WavModel(omni.token2wav), name=f"{omni.thinker.name}:token2wav"  # type: ignore[arg-type]
+        talker_model, model=token2wav, name=f"{omni.thinker.name}:token2wav"  # type: ignore[arg-type]
     )
     vocoder = StageEngine(
         args,
         vocoder_model,
         StageSpec(
             "token2wav",
-            kind="one_shot",
-            input_processor=Token2WavInputs(),
+            kind="chunked",
+            input_processor=Token2WavInputs(token2wav),
             max_requests_per_step=options.token2wav_requests_per_step,
         ),
     )
-    sample_rate = int(omni.token2wav.sample_rate)  # type: ignore[union-attr]
+    sample_rate = int(token2wav.sample_rate)
     return OmniPipeline(thinker, talker, vocoder, omni.speakers, defaults, seed=args.seed, sample_rate=sample_rate)

@@ -8,8 +8,9 @@
   its token ids do not identify its inputs). Each step samples code 0 with the
   ``TalkerParams`` and runs the code predictor for the other groups; the
   frames are the model's deferred key ``codes.audio``;
-- **code2wav**: one-shot, the causal vocoder, up to ``token2wav_requests_per_step``
-  requests decoded together per step (right-padded: exact, the model is causal).
+- **code2wav**: the chunked vocoder stage (``ChunkedVocoder``): frames decoded in
+  chunks as the talker makes them when streamed, else once; every chunk re-reads
+  its left context, so both are the full decode's samples exactly.
 """
 
 from __future__ import annotations
@@ -17,19 +18,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import ProcessedInputs
 from omnistage.engine.omni.pipeline import OmniPipeline
-from omnistage.engine.omni.qwen2_5_omni import TALKER_KV_CACHE_BYTES, OmniOptions
-from omnistage.engine.omni.stage_io import TalkerParams, TalkerRequest, Token2WavRequest
+from omnistage.engine.omni.qwen2_5_omni import (
+    TALKER_KV_CACHE_BYTES,
+    OmniOptions,
+    Token2WavInputs,
+)
+from omnistage.engine.omni.stage_io import TalkerParams, TalkerRequest
 from omnistage.engine.stage import StageSpec
 from omnistage.engine.stage_engine import StageEngine
 from omnistage.models.loader import LoadedModel
 from omnistage.models.qwen3_omni import DEFAULT_QWEN3_SPEAKER, Qwen3OmniModel
-from omnistage.models.qwen3_omni_code2wav import Qwen3OmniCode2Wav
-from omnistage.models.qwen3_omni_talker import Qwen3TalkerPrep, frames_tensor
+from omnistage.models.qwen3_omni_talker import Qwen3TalkerPrep
 
 __all__ = ["build_qwen3_omni_pipeline"]
 
@@ -50,41 +52,6 @@ class Qwen3TalkerInputs:
             seed=request.seed,
         )
         return ProcessedInputs(None, list(state.prompt_ids), payload=state)
-
-
-class Code2WavInputs:
-    """The vocoder stage's input processor: the frames ride along as the payload."""
-
-    def process(self, request_id: str, request: Token2WavRequest) -> ProcessedInputs:
-        if request.frames is None:
-            raise ValueError(
-                f"code2wav request {request_id!r}: no frames (every code group of each frame)"
-            )
-        return ProcessedInputs(
-            None, [int(f[0]) for f in request.frames] or [0], payload=request
-        )
-
-
-class Code2WavModel:
-    """Qwen3-Omni's code2wav as a one-shot stage model: ``{"audio": 1-D float32}``.
-    ``run_batch`` decodes the step's requests in one forward (exact: causal)."""
-
-    def __init__(self, code2wav: Qwen3OmniCode2Wav) -> None:
-        self.code2wav = code2wav
-
-    def _codes(self, request: Token2WavRequest) -> np.ndarray:
-        return frames_tensor(request.frames or [], self.code2wav.num_quantizers)
-
-    def __call__(self, request: Token2WavRequest) -> dict[str, np.ndarray]:
-        return {"audio": self.code2wav.decode(self._codes(request))}
-
-    def run_batch(
-        self, requests: list[Token2WavRequest]
-    ) -> list[dict[str, np.ndarray]]:
-        return [
-            {"audio": a}
-            for a in self.code2wav.decode_batch([self._codes(r) for r in requests])
-        ]
 
 
 def build_qwen3_omni_pipeline(
@@ -143,16 +110,18 @@ def build_qwen3_omni_pipeline(
     )
     vocoder_model = dataclasses.replace(
         talker_model,
-        model=Code2WavModel(omni.code2wav),
+        model=omni.code2wav,
         name=f"{omni.thinker.name}:code2wav",  # type: ignore[arg-type]
     )
+    # The chunked stage: a streamed request's frames are decoded chunk by chunk while the
+    # talker speaks, a whole one once its frames are final; both give the full decode's samples.
     vocoder = StageEngine(
         dataclasses.replace(args, speculative_config=None),
         vocoder_model,
         StageSpec(
             "token2wav",
-            kind="one_shot",
-            input_processor=Code2WavInputs(),
+            kind="chunked",
+            input_processor=Token2WavInputs(omni.code2wav),
             max_requests_per_step=options.token2wav_requests_per_step,
         ),
     )

@@ -7,7 +7,7 @@ views into a stage's batch buffers), so a stage may later run on another
 device, thread or process.
 
     thinker --ThinkerOutputForTalker--> talker --Token2WavRequest--> token2wav
-            (wrapped in TalkerRequest)
+            (wrapped in TalkerRequest)          (then its codes, as they come)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from omnistage.core.chunk_schedule import ChunkSchedule
 from omnistage.models.qwen2_5_omni_talker import ThinkerOutputForTalker
 
 __all__ = [
@@ -53,14 +54,19 @@ class TalkerRequest:
 
 @dataclass
 class Token2WavRequest:
-    """Talker -> token2wav: the codec tokens of a request, its stop code excluded."""
+    """Talker -> token2wav: the codec tokens of a request known so far, its
+    stop code excluded (the pipeline extends them as the talker makes more).
+
+    ``stream``: decode in the vocoder's streaming chunks (else one whole
+    decode once the codes are final); ``schedule`` is the vocoder's schedule
+    for that choice, set by the stage's input processor."""
 
     request_id: str
     codes: list[int]
     speaker: str
     seed: int
-    # Multi-codebook codecs (Qwen3-Omni): every group's code of each frame, [frames][groups].
-    frames: list[list[int]] | None = None
+    stream: bool = False
+    schedule: ChunkSchedule | None = None
 
 
 @dataclass(frozen=True)

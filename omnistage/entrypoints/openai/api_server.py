@@ -37,7 +37,7 @@ import omnistage
 from omnistage.entrypoints.openai.engine_client import EngineClient
 from omnistage.entrypoints.openai.errors import APIError
 from omnistage.entrypoints.openai.media import DEFAULT_MAX_AUDIO_SECONDS, DEFAULT_MAX_IMAGE_PIXELS, server_media_limits
-from omnistage.entrypoints.openai.metrics import normalize_engine_stats
+from omnistage.entrypoints.openai.metrics import normalize_engine_stats, replica_loads
 from omnistage.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -236,7 +236,8 @@ def build_app(
             except Exception:  # noqa: BLE001 - a busy or dead engine must not break scraping
                 logger.warning("engine stats unavailable for /metrics", exc_info=True)
         return PlainTextResponse(
-            ctx.metrics.render(normalize_engine_stats(stats)), media_type="text/plain; version=0.0.4; charset=utf-8"
+            ctx.metrics.render(normalize_engine_stats(stats), replica_loads(stats)),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
     def record_error(request: Request, status: int) -> None:

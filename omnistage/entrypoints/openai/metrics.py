@@ -124,7 +124,9 @@ class ServerMetrics:
         if m.first_token_time is not None and generated > 1:
             self.tpot.observe((m.finished_time - m.first_token_time) / (generated - 1))
 
-    def render(self, engine_stats: dict[str, float]) -> str:
+    def render(self, engine_stats: dict[str, float], replicas: list[dict[str, float]] | None = None) -> str:
+        """The exposition text; ``replicas`` (``replica_loads``) adds one sample per
+        data-parallel replica to each ``replica_*`` metric, labelled ``replica``."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, tuple, float]]) -> None:
@@ -179,7 +181,42 @@ class ServerMetrics:
         ]
         for name, help_ in counters:
             metric(name, "counter", help_, [("", (), float(engine_stats.get(name, 0.0)))])
+        for name, kind, help_ in _REPLICA_METRICS if replicas else ():
+            samples = [("", (("replica", str(int(r["replica"]))),), float(r.get(name, 0.0))) for r in replicas or ()]
+            metric(f"replica_{name}", kind, help_, samples)
         return "\n".join(lines) + "\n"
+
+
+# Per data-parallel replica (EngineArgs.data_parallel_size > 1): the load the router balances.
+_REPLICA_METRICS = (
+    ("up", "gauge", "1 while the replica serves; 0 once it died (its requests failed or moved)."),
+    ("num_requests", "gauge", "Requests routed to the replica and not finished."),
+    ("num_requests_running", "gauge", "Requests the replica is stepping."),
+    ("num_requests_waiting", "gauge", "Requests queued in the replica for admission."),
+    ("kv_cache_usage_perc", "gauge", "Fraction of the replica's KV-cache blocks in use."),
+    ("cached_blocks", "gauge", "KV blocks the router knows the replica caches."),
+    ("prefix_cache_queries_total", "counter", "Prompt tokens the replica looked up in its KV prefix cache."),
+    ("prefix_cache_hits_total", "counter", "Prompt tokens the replica found in its KV prefix cache."),
+)
+
+
+def replica_loads(stats: Any) -> list[dict[str, float]]:
+    """Each replica's load from a data-parallel engine's stats (``ReplicaLoad``s in
+    ``stats.replicas``) under the ``replica_*`` names; empty for one engine."""
+    out = []
+    for r in getattr(stats, "replicas", None) or ():
+        out.append({
+            "replica": r.replica,
+            "up": float(r.alive),
+            "num_requests": r.num_requests,
+            "num_requests_running": r.num_running_reqs,
+            "num_requests_waiting": r.num_waiting_reqs,
+            "kv_cache_usage_perc": r.kv_cache_usage,
+            "cached_blocks": r.cached_blocks,
+            "prefix_cache_queries_total": r.prefix_cache_query_tokens,
+            "prefix_cache_hits_total": r.prefix_cache_hit_tokens,
+        })  # fmt: skip
+    return out
 
 
 def normalize_engine_stats(stats: Any) -> dict[str, float]:

@@ -8,11 +8,20 @@ limit-checked), sampling values, the chat template, and finally the engine's own
 checks (prompt length, token ids).
 
 Audio output (omni checkpoints, ``modalities: ["text", "audio"]``): the answer
-comes back as OpenAI's ``message.audio`` (base64 16-bit mono WAV plus its
+comes back as OpenAI's ``message.audio`` (base64 16-bit mono audio at the
+model's rate, ``audio.format`` "wav" (default) or "pcm16", plus its
 transcript, the same text as ``content``). Streams send the text as content
-deltas, then the WAV in ``delta.audio`` pieces, then the finish chunk. The
-server keeps no audio for later turns, so ``expires_at`` is the creation time.
-``audio`` may be omitted: the checkpoint's default voice, WAV.
+deltas and the audio as it is made: ``delta.audio`` pieces ``{"id" (one per
+answer), "data", "transcript"}``, the transcript in the first piece ("" in the
+others), then the finish chunk. Each piece's ``data`` is base64 of the next
+bytes of one stream: raw PCM for "pcm16"; for "wav" one header of unknown
+length (``streaming_wav_header``) and then raw PCM, never a header per piece.
+Every piece but the last holds a multiple of 6 bytes (whole samples, no
+base64 padding), so clients that concatenate the base64 strings work too.
+The server always decodes speech in the vocoder's streaming chunks, streamed
+or not, so the two answers to one request and seed have the same samples.
+The server keeps no audio for later turns, so ``expires_at`` is the creation
+time. ``audio`` may be omitted: the checkpoint's default voice, WAV.
 """
 
 from __future__ import annotations
@@ -65,13 +74,15 @@ from omnistage.entrypoints.openai.serving_common import (
     until_disconnect,
     usage_of,
 )
-from omnistage.multimodal.media import encode_wav
+from omnistage.multimodal.media import encode_pcm16, encode_wav, streaming_wav_header
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 ENDPOINT = "chat"
-# Raw WAV bytes per streamed ``delta.audio`` piece; a multiple of 3, so each
-# piece's base64 is also a valid slice of the whole file's base64.
+# Most audio bytes per streamed ``delta.audio`` piece (rounded down to a multiple of 6).
 AUDIO_CHUNK_BYTES = 48 * 1024
+AUDIO_FORMATS = ("wav", "pcm16")
+# Pieces are cut at multiples of 6 bytes: whole 16-bit samples, and base64 without padding.
+_PIECE_UNIT = 6
 
 
 class ChatServing:
@@ -92,6 +103,7 @@ class ChatServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         speak = "audio" in (req.modalities or ())
         voice = req.audio.voice if speak and req.audio else None
+        audio_format = req.audio.format if req.audio else "wav"
         prompt = await self._render(messages, req)
         # The rendered ids before media placeholders expand: exact for text, a lower bound with media.
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -103,13 +115,14 @@ class ChatServing:
         request_id = new_id("chatcmpl")
         stream = await add_to_engine(ctx, request_id, prompt, params, "messages", voice=voice, speak=speak)
         if req.stream:
-            return SSEResponse(self._stream(req, model, request_id, stream, clock))
+            speech = _AudioStream(new_id("audio"), audio_format) if speak else None
+            return SSEResponse(self._stream(req, model, request_id, stream, clock, speech))
         disconnected, final = await until_disconnect(raw_request, self._collect(request_id, stream, clock))
         if disconnected:
             ctx.metrics.record_request(ENDPOINT, "aborted")
             return JSONResponse({}, status_code=499)  # nobody is left to read it
         record_finished(ctx, ENDPOINT, [final])
-        audio = _audio_of(final)
+        audio = _audio_of(final, audio_format)
         response = ChatCompletionResponse(
             id=request_id,
             model=model,
@@ -134,9 +147,9 @@ class ChatServing:
             raise bad_request("'audio' output settings require 'modalities' to include 'audio'", param="audio")
         if req.audio is None:
             return
-        if req.audio.format != "wav":
+        if req.audio.format not in AUDIO_FORMATS:
             raise bad_request(
-                f"Audio format {req.audio.format!r} is not supported; this server returns 'wav' only",
+                f"Audio format {req.audio.format!r} is not supported; this server returns {list(AUDIO_FORMATS)}",
                 param="audio.format",
                 code="unsupported_audio_format",
             )
@@ -282,7 +295,13 @@ class ChatServing:
         )
 
     async def _stream(
-        self, req: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream, clock: TTFTClock
+        self,
+        req: ChatCompletionRequest,
+        model: str,
+        request_id: str,
+        stream: RequestStream,
+        clock: TTFTClock,
+        speech: _AudioStream | None,
     ) -> AsyncIterator[bytes]:
         ctx = self.ctx
         created = int(time.time())
@@ -307,22 +326,25 @@ class ChatServing:
                         continue
                     delta = c.text[sent_chars[i]:]
                     new_tokens = len(c.token_ids) - sent_tokens[i]
-                    if not delta and not new_tokens and c.finish_reason is None:
+                    finished = c.finish_reason is not None
+                    new_audio = speech is not None and speech.has_new(out)
+                    if not delta and not new_tokens and not finished and not new_audio:
                         continue
                     lp = self._logprobs(c, sent_tokens[i], req) if new_tokens else None
-                    audio = _audio_of(out) if c.finish_reason is not None else None
-                    if audio is not None:
-                        # OpenAI's order: the last text, then the audio, then the finish chunk.
+                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    if speech is not None and (new_audio or finished):
+                        # OpenAI's order: the text so far, then the audio, then the finish chunk.
                         if delta or lp is not None:
                             yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=delta or None), logprobs=lp)])
                         delta, lp = "", None
-                        for piece in _audio_deltas(audio, c.text):
+                        for piece in speech.pieces(out, c.text, finished):
                             yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(audio=piece))])
+                        if not finished:
+                            continue
                     choices.append(
                         ChatChunkChoice(index=i, delta=ChatDelta(content=delta or None), logprobs=lp, finish_reason=c.finish_reason)
                     )
-                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    done[i] = c.finish_reason is not None
+                    done[i] = finished
                 if choices:
                     yield chunk(choices)
             assert last is not None
@@ -341,16 +363,47 @@ class ChatServing:
                 ctx.metrics.record_request(ENDPOINT, "aborted")
 
 
-def _audio_of(out: RequestOutput) -> tuple[str, bytes] | None:
-    """A finished output's spoken answer as (audio id, WAV bytes); None without audio."""
+def _audio_of(out: RequestOutput, audio_format: str) -> tuple[str, bytes] | None:
+    """A finished output's spoken answer as (audio id, bytes in ``audio_format``); None without audio."""
     if out.audio is None or out.sample_rate is None:
         return None
-    return new_id("audio"), encode_wav(out.audio, out.sample_rate)  # type: ignore[arg-type]
+    audio: Any = out.audio
+    data = encode_wav(audio, out.sample_rate) if audio_format == "wav" else encode_pcm16(audio)
+    return new_id("audio"), data
 
 
-def _audio_deltas(audio: tuple[str, bytes], transcript: str) -> list[ChatAudioDelta]:
-    audio_id, wav = audio
-    pieces = [wav[i : i + AUDIO_CHUNK_BYTES] for i in range(0, len(wav), AUDIO_CHUNK_BYTES)] or [b""]
-    deltas = [ChatAudioDelta(id=audio_id, data=base64.b64encode(p).decode("ascii")) for p in pieces]
-    deltas[0].transcript, deltas[0].expires_at = transcript, int(time.time())
-    return deltas
+class _AudioStream:
+    """One streamed answer's audio: the chunks already sent, and the bytes held
+    back until a piece can end on a multiple of 6 bytes."""
+
+    def __init__(self, audio_id: str, audio_format: str) -> None:
+        self.audio_id, self.format = audio_id, audio_format
+        self.sent_chunks = 0
+        self.held = b""
+        self.started = False
+
+    def has_new(self, out: RequestOutput) -> bool:
+        return len(out.audio_chunks or ()) > self.sent_chunks
+
+    def pieces(self, out: RequestOutput, transcript: str, final: bool) -> list[ChatAudioDelta]:
+        """The ``delta.audio`` pieces for the chunks that arrived with ``out`` (and, when
+        ``final``, everything held back); the first piece of the answer carries the transcript."""
+        chunks = list(out.audio_chunks or ())
+        data = b"".join(encode_pcm16(c) for c in chunks[self.sent_chunks :])
+        self.sent_chunks = len(chunks)
+        if not self.started and self.format == "wav":
+            assert out.sample_rate is not None
+            data = streaming_wav_header(out.sample_rate) + data
+        data, self.held = self.held + data, b""
+        if not final:
+            keep = len(data) - len(data) % _PIECE_UNIT
+            data, self.held = data[:keep], data[keep:]
+        size = max(_PIECE_UNIT, AUDIO_CHUNK_BYTES // _PIECE_UNIT * _PIECE_UNIT)
+        parts = [data[i : i + size] for i in range(0, len(data), size)]
+        if not parts and final and not self.started:
+            parts = [b""]  # an answer without audio still names its audio and transcript
+        deltas = [ChatAudioDelta(id=self.audio_id, data=base64.b64encode(p).decode("ascii"), transcript="") for p in parts]
+        if deltas and not self.started:
+            deltas[0].transcript, deltas[0].expires_at = transcript, int(time.time())
+            self.started = True
+        return deltas

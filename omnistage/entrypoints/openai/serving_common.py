@@ -194,10 +194,12 @@ async def add_to_engine(
     speak: bool = False,
 ) -> RequestStream:
     """Queue a request; ``speak`` asks an engine that can speak for audio in ``voice``
-    (None: the model's default). An engine that speaks is told when not to."""
+    (None: the model's default). An engine that speaks is told when not to.
+    Speech is always decoded in the vocoder's streaming chunks, so an answer
+    has the same samples streamed or not."""
     options: dict[str, Any] = {}
     if "audio" in ctx.output_modalities:
-        options = {"return_audio": speak, "speaker": voice} if speak else {"return_audio": False}
+        options = {"return_audio": True, "speaker": voice, "stream_audio": True} if speak else {"return_audio": False}
     try:
         return await ctx.client.add_request(request_id, prompt, params, **options)
     except ValueError as exc:

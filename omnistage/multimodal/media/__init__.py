@@ -17,7 +17,8 @@ one media module of the offline API and the server.
   default trusts the caller, the server sets every bound. Remote
   ``http(s)://`` URLs are always refused.
 
-The WAV writer (``encode_wav``, ``write_wav``) sits beside the reader.
+The WAV writer (``encode_wav``, ``write_wav``, and for streams
+``streaming_wav_header`` + ``encode_pcm16``) sits beside the reader.
 Every failure is a ``MediaError`` (a ``ValueError``) naming the item
 (``image item 2``) and what was expected, with a ``code`` the server sends.
 """
@@ -33,7 +34,14 @@ from omnistage.multimodal.media.source import (
     read_media_bytes,
 )
 from omnistage.multimodal.media.video import DecodedVideo, load_video
-from omnistage.multimodal.media.wav import DecodedAudio, decode_wav, encode_wav, write_wav
+from omnistage.multimodal.media.wav import (
+    DecodedAudio,
+    decode_wav,
+    encode_pcm16,
+    encode_wav,
+    streaming_wav_header,
+    write_wav,
+)
 
 __all__ = [
     "OFFLINE",
@@ -45,6 +53,7 @@ __all__ = [
     "decode_image_bytes",
     "decode_input_audio",
     "decode_wav",
+    "encode_pcm16",
     "encode_wav",
     "load_audio",
     "load_image",
@@ -52,5 +61,6 @@ __all__ = [
     "parse_data_url",
     "read_media_bytes",
     "resample_audio",
+    "streaming_wav_header",
     "write_wav",
 ]

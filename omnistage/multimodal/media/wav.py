@@ -113,16 +113,37 @@ def decode_wav(data: bytes, where: str = "audio item 0", limits: MediaLimits = O
     return DecodedAudio(np.ascontiguousarray(samples), rate)
 
 
+def encode_pcm16(audio: np.ndarray) -> bytes:
+    """A float waveform in [-1, 1] as little-endian 16-bit PCM (samples clipped,
+    scaled by 32767 and rounded): the samples of ``encode_wav``'s file."""
+    return (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+# RIFF and data sizes of a WAV whose length is not known when its header is sent.
+WAV_UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def streaming_wav_header(sample_rate: int) -> bytes:
+    """The 44-byte header of a 16-bit mono PCM WAV of unknown length (RIFF and
+    data sizes 0xFFFFFFFF, as OpenAI's streamed WAV): sent once, then raw PCM."""
+    rate = int(sample_rate)
+    return (
+        b"RIFF" + struct.pack("<I", WAV_UNKNOWN_SIZE) + b"WAVE"
+        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+        + b"data" + struct.pack("<I", WAV_UNKNOWN_SIZE)
+    )  # fmt: skip
+
+
 def encode_wav(audio: np.ndarray, sample_rate: int) -> bytes:
     """A float waveform in [-1, 1] as the bytes of a 16-bit PCM mono WAV file
     (samples clipped, scaled by 32767 and rounded)."""
-    pcm = (np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2")
+    pcm = encode_pcm16(audio)
     buf = io.BytesIO()
     with wave.open(buf, "wb") as f:
         f.setnchannels(1)
         f.setsampwidth(2)
         f.setframerate(int(sample_rate))
-        f.writeframes(pcm.tobytes())
+        f.writeframes(pcm)
     return buf.getvalue()
 
 

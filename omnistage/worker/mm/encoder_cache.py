@@ -23,6 +23,7 @@ class FeatureEntry(NamedTuple):
     embeds_cumsum: list[int] | None  # None: every position is an embed
     is_embed: np.ndarray | None  # bool mask as NumPy, for the CPU mask write
     num_embeds: int
+    end: int  # offset + length
 
 
 class RequestFeatureIndex:
@@ -34,9 +35,14 @@ class RequestFeatureIndex:
     bisect_left(offsets, end))``. The running maximum keeps the search correct
     for items that share placeholders (one span nested in another); for the
     usual disjoint items it equals the plain ends.
+
+    ``embed_positions`` holds one byte (0 or 1) per prompt position from 0 to
+    at least ``max_end``: 1 where some item places an encoder row (the OR of
+    every item's ``is_embed``); the gather pads it with zeros on demand. A step's slot mask is then the join of one bytes
+    slice per request, not one array write per item.
     """
 
-    __slots__ = ("features", "num_features", "offsets", "max_ends", "entries")
+    __slots__ = ("embed_positions", "entries", "features", "max_ends", "num_features", "offsets")
 
     def __init__(self, req_id: str, features: Sequence[MultiModalFeatureSpec]) -> None:
         self.features = features
@@ -72,8 +78,17 @@ class RequestFeatureIndex:
                     cumsum,
                     mask,
                     pos.get_num_embeds(),
+                    pos.offset + pos.length,
                 )
             )
+        positions = np.zeros(max_end, dtype=bool)
+        for entry in self.entries:
+            span = positions[entry.offset : entry.end]
+            if entry.is_embed is None:
+                span[:] = True
+            else:
+                span |= entry.is_embed
+        self.embed_positions = positions.tobytes()
 
     def is_current(self, features: Sequence[MultiModalFeatureSpec]) -> bool:
         return self.features is features and self.num_features == len(features)

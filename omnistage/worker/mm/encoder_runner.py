@@ -3,7 +3,6 @@ merges them into the token embeddings."""
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from omnistage.worker.mm.encoder_cache import EncoderCache
+from omnistage.worker.mm.window_gather import gather_windows
 
 __all__ = ["EncoderRunner", "MultiModalEmbedder"]
 
@@ -175,118 +175,39 @@ class EncoderRunner:
             raise ValueError(f"gather_mm_embeddings: expected draft_lookahead >= 0, got {draft_lookahead}")
         num_tokens = int(total_num_scheduled_tokens)
         num_reqs = len(req_ids)
-        mask = np.zeros(num_tokens, dtype=bool)
-        is_mm_embed = torch.from_numpy(mask)
         mm_embeds: list[torch.Tensor] = []
         if num_reqs == 0:
-            return mm_embeds, is_mm_embed
+            return mm_embeds, torch.zeros(num_tokens, dtype=torch.bool)
 
         computed_np = _as_array("num_computed_tokens", num_computed_tokens, num_reqs)
         if draft_lookahead:
             computed_np = computed_np + draft_lookahead  # never mutate the caller's array
         if self.is_realtime:
-            active = range(num_reqs)
+            active = np.arange(num_reqs)
         else:
-            in_prompt = computed_np < _as_array("prefill_lens", prefill_lens, num_reqs)
-            if not in_prompt.any():  # every request is decoding: no prompt items in reach
-                return mm_embeds, is_mm_embed
-            active = np.flatnonzero(in_prompt).tolist()
-        computed = computed_np.tolist()
-        scheduled = _as_array("num_scheduled_tokens", num_scheduled_tokens, num_reqs).tolist()
-        starts = _as_array("query_start_loc", query_start_loc, num_reqs).tolist()
-        self._gather_windows(
-            req_ids, active, computed, scheduled, starts, num_tokens, draft_lookahead, mask, mm_embeds
+            active = np.flatnonzero(computed_np < _as_array("prefill_lens", prefill_lens, num_reqs))
+            if not active.size:  # every request is decoding: no prompt items in reach
+                return mm_embeds, torch.zeros(num_tokens, dtype=torch.bool)
+        scheduled_np = _as_array("num_scheduled_tokens", num_scheduled_tokens, num_reqs)
+        starts_np = _as_array("query_start_loc", query_start_loc, num_reqs)
+        slots, counts = starts_np[active], scheduled_np[active]
+        outside = (slots < 0) | (counts < 0) | (slots + counts > num_tokens)
+        if outside.any():
+            k = int(np.argmax(outside))
+            raise ValueError(
+                f"gather_mm_embeddings: request {req_ids[active[k]]} has batch slots "
+                f"[{slots[k]}, {slots[k] + counts[k]}), expected within [0, {num_tokens})"
+            )
+        rows, mask = gather_windows(
+            self.encoder_cache,
+            list(req_ids) if active.size == num_reqs else [req_ids[n] for n in active.tolist()],
+            computed_np[active].tolist(),
+            counts.tolist(),
+            slots.tolist(),
+            num_tokens,
+            draft_lookahead,
         )
-        return mm_embeds, is_mm_embed
-
-    # Inference mode makes each row view cheaper to create; the views are only
-    # ever read. The mask tensor is created outside it so callers may edit it.
-    @torch.inference_mode()
-    def _gather_windows(
-        self,
-        req_ids: list[str],
-        active: Sequence[int],
-        computed: list[int],
-        scheduled: list[int],
-        starts: list[int],
-        num_tokens: int,
-        draft_lookahead: int,
-        mask: np.ndarray,
-        mm_embeds: list[torch.Tensor],
-    ) -> None:
-        cache = self.encoder_cache
-        outputs = cache.encoder_outputs
-        registered = cache.mm_features
-        indices = cache.feature_indices
-        append = mm_embeds.append
-        for i in active:
-            slot = starts[i]
-            count = scheduled[i]
-            if slot < 0 or count < 0 or slot + count > num_tokens:
-                raise ValueError(
-                    f"gather_mm_embeddings: request {req_ids[i]} has batch slots "
-                    f"[{slot}, {slot + count}), expected within [0, {num_tokens})"
-                )
-            qs = computed[i]
-            qe = qs + count
-            req_id = req_ids[i]
-            index = indices.get(req_id)
-            if (
-                index is None
-                or index.features is not registered.get(req_id)
-                or index.num_features != len(index.features)
-            ):
-                index = cache.feature_index(req_id)  # rebuild (or raise if unregistered)
-            lo = bisect_right(index.max_ends, qs)
-            hi = bisect_left(index.offsets, qe, lo)
-            if lo == hi:
-                continue
-            shift = slot - qs  # batch slot of prompt position p is p + shift
-            entries = index.entries
-            for k in range(lo, hi):
-                off, length, ident, modality, cumsum, embed_mask, num_embeds = entries[k]
-                s = qs - off
-                if s < 0:
-                    s = 0
-                e = qe - off
-                if e > length:
-                    e = length
-                if s >= e:  # a span nested in an earlier, longer one
-                    continue
-                if cumsum is None:
-                    rs, re_ = s, e
-                else:
-                    rs = cumsum[s - 1] if s else 0
-                    re_ = cumsum[e - 1]
-                    if rs == re_:  # only non-embed positions in the window
-                        continue
-                out = outputs.get(ident)
-                if out is None:
-                    if off + draft_lookahead >= qe:  # the drafter's boundary item
-                        continue
-                    raise RuntimeError(
-                        f"Encoder cache miss for {ident}: request {req_ids[i]} needs "
-                        f"rows [{rs}, {re_}) of its {modality} item at placeholder "
-                        f"offset {off} for prompt window [{qs}, {qe})"
-                    )
-                if out.shape[0] != num_embeds:
-                    raise RuntimeError(
-                        f"Encoder output for {ident} has {out.shape[0]} rows, expected "
-                        f"{num_embeds} (get_num_embeds() of the {modality} item of "
-                        f"request {req_ids[i]} at offset {off}); refusing to gather a "
-                        "stale or colliding cache entry"
-                    )
-                # A whole item needs no slicing: detach() makes a fresh alias
-                # (to carry the modality attribute) more cheaply than a slice.
-                item = out.detach() if re_ - rs == num_embeds else out[rs:re_]
-                item.modality = modality
-                append(item)
-                a = off + shift
-                if embed_mask is None:
-                    mask[a + s : a + e] = True
-                else:
-                    piece = mask[a + s : a + e]
-                    piece |= embed_mask[s:e]
+        return rows, torch.from_numpy(mask)
 
     # ------------------------------------------------------------------ merge
 

@@ -47,10 +47,11 @@ def test_speaker_none_is_chelsie_and_ethan_differs(llm: LLM, chelsie: Any) -> No
     assert ethan.extra["codec_token_ids"] != chelsie.extra["codec_token_ids"]
 
 
-def test_return_audio_false_skips_talker_and_token2wav(make_llm: Any, chelsie: Any) -> None:
+def test_return_audio_false_skips_talker_and_token2wav(make_llm: Any, chelsie: Any, monkeypatch: Any) -> None:
     llm = make_llm()
     decoded = []
-    llm.llm_engine.stages["token2wav"].runner.model.token2wav = lambda *a, **k: decoded.append(a)  # type: ignore[assignment]
+    # The vocoder is the session's shared token2wav: patched for this test only.
+    monkeypatch.setattr(llm.llm_engine.stages["token2wav"].runner.model, "decode_chunk", lambda *a, **k: decoded.append(a))
     out = llm.generate(PROMPT, SP, return_audio=False)[0]
     assert out.audio is None and out.sample_rate is None
     assert out.outputs[0].token_ids == chelsie.outputs[0].token_ids

@@ -158,7 +158,7 @@ def test_frames_streamed_while_the_talker_speaks_equal_the_final_audio(
         talker_params={"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 14}
     )
     pipeline = llm.llm_engine
-    vocoder = pipeline.stages["token2wav"].runner.model.code2wav
+    vocoder = pipeline.stages["token2wav"].runner.model
     stream, pushed, chunks, done = vocoder.stream(), 0, [], []
     ids = chat_ids(llm.get_tokenizer(), "tell me a story about a fox and a dog")
     pipeline.add_request(

@@ -1,7 +1,8 @@
 """Speech out of the OpenAI server on a whole omni checkpoint (thinker, talker,
-token2wav): the WAV it returns is the offline ``LLM``'s answer for the same
-prompt and settings, streamed or not; text-only requests skip the talker; bad
-audio settings are 400s that leave the server serving."""
+token2wav): the WAV it returns is the offline ``LLM``'s streamed answer
+(``generate_stream``: the vocoder's streaming chunks, which the server always
+decodes) for the same prompt and settings, streamed or not; text-only requests
+skip the talker; bad audio settings are 400s that leave the server serving."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from omnistage import LLM
 from omnistage.entrypoints.openai import serving_chat
 from omnistage.entrypoints.openai.api_server import ServerOptions, ServerThread, build_app
 from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.multimodal.media import encode_pcm16
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -64,6 +66,22 @@ def reference(offline: LLM) -> RequestOutput:
     """The offline pipeline's answer, with audio, for the same prompt and settings."""
     (out,) = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED), speaker=VOICE)
     assert out.audio is not None and out.audio.size > 0 and out.sample_rate == 24000
+    return out
+
+
+def streamed_answer(llm: LLM, messages: list[dict[str, Any]]) -> RequestOutput:
+    """The offline pipeline's answer with its audio decoded in streaming chunks, as the server decodes it."""
+    prompt = llm.llm_engine.encode_chat(messages)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED)
+    (final,) = [e.output for e in llm.generate_stream(prompt, params, speaker=VOICE) if e.finished]
+    return final
+
+
+@pytest.fixture(scope="module")
+def served(offline: LLM, reference: RequestOutput) -> RequestOutput:
+    out = streamed_answer(offline, MESSAGES)
+    assert out.outputs[0].text == reference.outputs[0].text
+    assert out.extra["codec_token_ids"] == reference.extra["codec_token_ids"]
     return out
 
 
@@ -115,31 +133,36 @@ SPEAK = {"modalities": ["text", "audio"], "audio": {"voice": VOICE, "format": "w
 
 
 def _pcm(wav_data: bytes) -> np.ndarray:
-    """The samples of a 24 kHz mono 16-bit WAV file."""
+    """The samples of a 24 kHz mono 16-bit WAV file (a streamed one: sizes unknown, PCM to the end)."""
+    if wav_data[4:8] == b"\xff\xff\xff\xff":
+        assert wav_data[:4] == b"RIFF" and wav_data[36:44] == b"data\xff\xff\xff\xff"
+        wav_data = wav_data[:40] + (len(wav_data) - 44).to_bytes(4, "little") + wav_data[44:]
     with wave.open(io.BytesIO(wav_data)) as f:
         assert (f.getframerate(), f.getnchannels(), f.getsampwidth()) == (24000, 1, 2)
         return np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
 
 
 def _assert_same_audio(wav_data: bytes, ref: RequestOutput) -> None:
+    """The file's samples are the reference's waveform as the server encodes it (clipped, x32767, rounded)."""
     got = _pcm(wav_data)
-    want = np.clip(np.asarray(ref.audio, dtype=np.float64), -1.0, 1.0) * 32767.0
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= 0.5 + 1e-6  # equal up to rounding to int16
+    want = np.frombuffer(encode_pcm16(ref.audio), dtype="<i2")
+    assert got.shape == want.shape and np.array_equal(got, want)
 
 
-def test_audio_answer_is_the_offline_pipelines(client: openai.OpenAI, reference: RequestOutput) -> None:
+def test_audio_answer_is_the_offline_pipelines(
+    client: openai.OpenAI, reference: RequestOutput, served: RequestOutput
+) -> None:
     completion = client.chat.completions.create(**_request(**SPEAK))
     message = completion.choices[0].message
     assert message.content == reference.outputs[0].text
     assert completion.choices[0].finish_reason == reference.outputs[0].finish_reason
     assert message.audio is not None and message.audio.id and message.audio.transcript == message.content
-    _assert_same_audio(base64.b64decode(message.audio.data), reference)
+    _assert_same_audio(base64.b64decode(message.audio.data), served)
     assert completion.usage.completion_tokens == len(reference.outputs[0].token_ids)
 
 
 def test_streamed_audio_follows_the_text(
-    client: openai.OpenAI, reference: RequestOutput, monkeypatch: pytest.MonkeyPatch
+    client: openai.OpenAI, reference: RequestOutput, served: RequestOutput, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(serving_chat, "AUDIO_CHUNK_BYTES", 3 * 333)  # several pieces even for short audio
     chunks = list(client.chat.completions.create(**_request(**SPEAK), stream=True))
@@ -153,7 +176,10 @@ def test_streamed_audio_follows_the_text(
     last_text = max(i for i, ch in enumerate(choices) if ch.delta.content)
     assert last_text < audio[0][0]  # text, then audio, then the finish chunk
     assert audio[0][1].transcript == reference.outputs[0].text and len({a.id for _, a in audio}) == 1
-    _assert_same_audio(b"".join(base64.b64decode(a.data) for _, a in audio), reference)
+    streamed = b"".join(base64.b64decode(a.data) for _, a in audio)
+    assert streamed[:4] == b"RIFF" and streamed[4:8] == b"\xff\xff\xff\xff"  # one header, of unknown length
+    assert streamed.count(b"RIFF") == 1
+    _assert_same_audio(streamed, served)
     assert choices[-1].finish_reason == reference.outputs[0].finish_reason
 
 
@@ -218,7 +244,7 @@ def test_image_in_speech_out(client: openai.OpenAI, offline: LLM) -> None:
     ]
     messages = [{"role": "user", "content": content}]
     completion = client.chat.completions.create(**{**_request(**SPEAK), "messages": messages})
-    (ref,) = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, seed=SEED), speaker=VOICE)
+    ref = streamed_answer(offline, messages)
     assert completion.usage.prompt_tokens == len(ref.prompt_token_ids) > 100  # image placeholders expanded
     assert completion.choices[0].message.content == ref.outputs[0].text
     _assert_same_audio(base64.b64decode(completion.choices[0].message.audio.data), ref)
@@ -270,7 +296,7 @@ def test_models_health_and_metrics(omni_server, client: openai.OpenAI) -> None:
 
 
 def test_failed_talker_step_fails_the_request_and_the_pipeline_recovers(
-    client: openai.OpenAI, reference: RequestOutput, omni_server, monkeypatch: pytest.MonkeyPatch
+    client: openai.OpenAI, reference: RequestOutput, served: RequestOutput, omni_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stage past the thinker fails mid-step: the request gets a 500, every
     stage lets go of it, and the next request is answered as before."""
@@ -290,4 +316,4 @@ def test_failed_talker_step_fails_the_request_and_the_pipeline_recovers(
     _assert_pipeline_empty(omni_server[1])
     completion = client.chat.completions.create(**_request(**SPEAK))
     assert completion.choices[0].message.content == reference.outputs[0].text
-    _assert_same_audio(base64.b64decode(completion.choices[0].message.audio.data), reference)
+    _assert_same_audio(base64.b64decode(completion.choices[0].message.audio.data), served)

@@ -395,8 +395,9 @@ class _CountingSequence:
         return len(self.items)
 
     def __getitem__(self, k):
-        self.reads += 1
-        return self.items[k]
+        got = self.items[k]
+        self.reads += len(got) if isinstance(k, slice) else 1  # items read
+        return got
 
 
 def test_gather_finds_window_items_by_bisection_not_a_scan():
@@ -481,3 +482,42 @@ def test_draft_lookahead_miss_one_before_the_boundary_still_raises():
     cache.add_request("r", [_feature("h8", 8, 4)])
     embeds, mask = _gather(_runner(cache), ["r"], [0], [8], [100], draft_lookahead=1)
     assert embeds == [] and not mask.any()
+
+
+def test_windows_out_of_slot_order_and_with_gaps():
+    # Request b's window sits before a's in the batch, with a gap of 2 slots
+    # between them: the mask still marks each window's own slots.
+    cache = EncoderCache()
+    fa, fb = _feature("fa", 1, 3), _feature("fb", 0, 2)
+    cache.add_request("a", [fa])
+    cache.add_request("b", [fb])
+    for f in (fa, fb):
+        cache.encoder_outputs[f.identifier] = _rows(f)
+    embeds, mask = _runner(cache).gather_mm_embeddings(
+        ["a", "b"], 12, np.array([4, 4]), np.array([6, 0]), np.array([100, 100]), np.array([0, 0])
+    )
+    assert [e.shape[0] for e in embeds] == [3, 2]
+    assert mask.tolist() == [True, True, False, False, False, False, False, True, True, True, False, False]
+    mask[0] = False  # the caller may edit it
+    assert not mask[0]
+
+
+def test_missing_boundary_item_sharing_placeholders_keeps_the_gathered_items_slots():
+    # Two items share the span starting at the drafter's boundary position 8:
+    # the cached one is gathered, the one not yet encoded is skipped, and only
+    # the gathered one's embed positions are marked.
+    bits = torch.tensor([True, False, True, False])
+    video = _feature("v", 8, 4, is_embed=bits, modality="video")
+    audio = _feature("a", 8, 4, is_embed=~bits, modality="audio")
+    cache = EncoderCache()
+    cache.add_request("r", [_feature("h0", 0, 8), video, audio])
+    cache.encoder_outputs["h0"] = _rows(cache.mm_features["r"][0])
+    cache.encoder_outputs["v"] = _rows(video)
+    embeds, mask = _gather(_runner(cache), ["r"], [0], [8], [100], draft_lookahead=1)
+    assert [e.modality for e in embeds] == ["image", "video"]
+    assert mask.tolist() == [True] * 8  # slot 7 = position 8: video's first embed
+    del cache.encoder_outputs["v"]
+    cache.encoder_outputs["a"] = _rows(audio)
+    embeds, mask = _gather(_runner(cache), ["r"], [0], [8], [100], draft_lookahead=1)
+    assert [e.modality for e in embeds] == ["image"]  # audio has no embed at position 8
+    assert mask.tolist() == [True] * 7 + [False]

@@ -1,0 +1,195 @@
+"""An EAGLE-1 draft head, loaded from the checkpoint layout vLLM reads for Llama / Qwen2 targets.
+
+The head is one decoder layer over ``fc(concat(embedding of the next token,
+target's final hidden state))``; its output goes through the *target's* LM
+head (no final norm of its own), and it embeds tokens with the *target's*
+embedding table. So a head folder holds only:
+
+- ``config.json`` of a Llama / Qwen2 / Qwen3 decoder (``architectures`` such
+  as ``EagleLlamaForCausalLM`` or ``LlamaForCausalLMEagle``;
+  ``model_type`` picks the layer class), with the target's ``hidden_size``;
+- weights (``*.safetensors`` or ``pytorch_model.bin``) named ``fc.weight``
+  (``[hidden, 2 * hidden]``, optional ``fc.bias``) and ``layers.0.*``, with or
+  without a ``model.`` prefix. ``layers.0.input_layernorm`` is usually absent
+  (EAGLE-1 feeds ``fc``'s output to attention unnormalized) and is then the
+  identity. ``embed_tokens`` / ``lm_head`` in the file are ignored: the
+  target's are shared, as vLLM shares them.
+
+The layer runs HF's own decoder-layer module on omnistage's paged attention
+(its KV cache is the drafter's, one layer, addressed through the target's
+block tables), with plain 1-D RoPE over sequence positions, also for an
+M-RoPE target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from omnistage.attention.paged_attention import (
+    ATTN_IMPL,
+    AttentionMetadata,
+    attention_context,
+)
+
+__all__ = ["EAGLE_ARCHITECTURES", "EagleHead", "load_eagle_head"]
+
+# Architecture names EAGLE-1 heads carry (vLLM's, and the original EAGLE repository's plain ones).
+EAGLE_ARCHITECTURES = frozenset({
+    "EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "EAGLEModel",
+    "EagleQwen2ForCausalLM", "Qwen2ForCausalLMEagle", "EagleQwen3ForCausalLM", "Qwen3ForCausalLMEagle",
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+})  # fmt: skip
+
+
+def _layer_classes(model_type: str) -> tuple[type, type]:
+    """(decoder layer, rotary embedding) classes of a model type."""
+    if model_type == "llama":
+        from transformers.models.llama import modeling_llama as m
+
+        return m.LlamaDecoderLayer, m.LlamaRotaryEmbedding
+    if model_type == "qwen2":
+        from transformers.models.qwen2 import modeling_qwen2 as m
+
+        return m.Qwen2DecoderLayer, m.Qwen2RotaryEmbedding
+    if model_type == "qwen3":
+        from transformers.models.qwen3 import modeling_qwen3 as m
+
+        return m.Qwen3DecoderLayer, m.Qwen3RotaryEmbedding
+    raise ValueError(
+        f"model_type {model_type!r} is not an EAGLE head layer omnistage runs; expected llama, qwen2, qwen3"
+    )
+
+
+class EagleHead(torch.nn.Module):
+    """``fc`` + one decoder layer; ``forward`` returns the layer's output ``[T, hidden]``
+    (fed to the target's LM head for logits, and back in as the next draft step's hidden state)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        fc: torch.nn.Linear,
+        layer: torch.nn.Module,
+        rotary: Any,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = fc
+        self.layer = layer
+        self.rotary = rotary
+        self.num_layers = 1
+        heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // heads
+        )
+        self.hidden_size = int(config.hidden_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @torch.inference_mode()
+    def forward(  # type: ignore[override]
+        self,
+        inputs_embeds: torch.Tensor,
+        target_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        h = self.fc(
+            torch.cat(
+                (inputs_embeds.to(self.dtype), target_hidden.to(self.dtype)), dim=-1
+            )
+        )[None]
+        position_ids = positions[None]
+        with attention_context(attn_metadata, kv_caches):
+            cos_sin = self.rotary(h, position_ids)
+            out = self.layer(
+                h,
+                attention_mask=None,
+                position_ids=position_ids,
+                position_embeddings=cos_sin,
+            )
+        out = out[0] if isinstance(out, tuple) else out
+        return out[0]
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    weights: dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            weights.update(load_file(str(f)))
+    elif (path / "pytorch_model.bin").is_file():
+        weights = torch.load(
+            path / "pytorch_model.bin", map_location="cpu", weights_only=True
+        )
+    else:
+        raise ValueError(
+            f"EAGLE head {str(path)!r}: no weights (*.safetensors or pytorch_model.bin)"
+        )
+    return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def load_eagle_head(
+    path: str | Path,
+    target_hidden_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> EagleHead:
+    """Load the head at ``path`` for a target of ``target_hidden_size``; ``ValueError`` names what is wrong."""
+    path = Path(path).expanduser()
+    where = f"EAGLE head {str(path)!r}"
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{where}: expected a folder with config.json and the head's weights"
+        )
+    raw = json.loads((path / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    if archs and not set(archs) & EAGLE_ARCHITECTURES:
+        raise ValueError(f"{where}: architectures {archs} is not an EAGLE-1 head; expected one of "
+                         f"{sorted(EAGLE_ARCHITECTURES)}")  # fmt: skip
+    config = AutoConfig.from_pretrained(path)
+    layer_cls, rotary_cls = _layer_classes(getattr(config, "model_type", ""))
+    if int(config.hidden_size) != target_hidden_size:
+        raise ValueError(
+            f"{where}: hidden_size {config.hidden_size} differs from the target's {target_hidden_size}"
+        )
+    weights = _read_weights(path)
+    fc_w = weights.get("fc.weight")
+    hidden = target_hidden_size
+    if fc_w is None or tuple(fc_w.shape) != (hidden, 2 * hidden):
+        got = None if fc_w is None else tuple(fc_w.shape)
+        raise ValueError(
+            f"{where}: expected weight 'fc.weight' of shape {(hidden, 2 * hidden)}, got {got}"
+        )
+    config._attn_implementation = ATTN_IMPL
+    fc = torch.nn.Linear(2 * hidden, hidden, bias="fc.bias" in weights)
+    layer = layer_cls(config, layer_idx=0)
+    layer_sd = {
+        k.removeprefix("layers.0."): v
+        for k, v in weights.items()
+        if k.startswith("layers.0.")
+    }
+    if "input_layernorm.weight" not in layer_sd:
+        layer.input_layernorm = (
+            torch.nn.Identity()
+        )  # EAGLE-1: fc's output goes to attention unnormalized
+    missing, unexpected = layer.load_state_dict(layer_sd, strict=False)
+    missing = [k for k in missing if not k.startswith("input_layernorm")]
+    if missing or unexpected:
+        raise ValueError(f"{where}: layers.0 weights do not match a {layer_cls.__name__}: "
+                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")  # fmt: skip
+    fc.load_state_dict(
+        {k.removeprefix("fc."): v for k, v in weights.items() if k.startswith("fc.")}
+    )
+    head = EagleHead(config, fc, layer, rotary_cls(config=config))
+    return head.to(device=device, dtype=dtype).eval()

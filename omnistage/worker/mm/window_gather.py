@@ -1,0 +1,222 @@
+"""The encoder rows a step's prompt windows consume, and the slots they fill.
+
+Cost model (measured in ``benchmarks/bench_gather_cases.py``): a step's result
+is one tensor view per (request, item) pair, and creating those views is the
+floor (about 0.35 us for an alias, 0.9 us for a slice). Everything else is
+kept below that: the per-request work runs as C-level passes (``map`` over
+the requests' indices for the two bisections and the slice of each item
+list); the per-item loop does one cache lookup, one row-count check, one view
+and one attribute; and the slot mask is not written item by item but joined
+from one bytes slice per request of the prompt's precomputed embed positions.
+NumPy over all items was tried for the window arithmetic and lost: turning
+the items' Python ints into arrays costs as much as the arithmetic it saves.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
+from operator import attrgetter, getitem, is_
+
+import numpy as np
+import torch
+
+from omnistage.worker.mm.encoder_cache import (
+    EncoderCache,
+    FeatureEntry,
+    RequestFeatureIndex,
+)
+
+__all__ = ["gather_windows"]
+
+_FEATURES = attrgetter("features")
+_NUM_FEATURES = attrgetter("num_features")
+_MAX_ENDS = attrgetter("max_ends")
+_OFFSETS = attrgetter("offsets")
+_ENTRIES = attrgetter("entries")
+_POSITIONS = attrgetter("embed_positions")
+
+
+def _current_indices(cache: EncoderCache, req_ids: list[str]) -> list[RequestFeatureIndex]:
+    """Each request's search index, rebuilt where its item list was replaced
+    or grew (or raising where it has none)."""
+    indices = list(map(cache.feature_indices.get, req_ids))
+    features = list(map(cache.mm_features.get, req_ids))
+    if (
+        None in indices
+        or not all(map(is_, map(_FEATURES, indices), features))
+        or list(map(_NUM_FEATURES, indices)) != list(map(len, features))
+    ):
+        indices = [cache.feature_index(req_id) for req_id in req_ids]
+    return indices
+
+
+def gather_windows(
+    cache: EncoderCache,
+    req_ids: list[str],
+    starts: list[int],
+    counts: list[int],
+    slots: list[int],
+    num_tokens: int,
+    draft_lookahead: int,
+) -> tuple[list[torch.Tensor], np.ndarray]:
+    """Rows and slot mask for prompt windows ``[starts[n], starts[n] +
+    counts[n])`` placed at batch slots from ``slots[n]`` (one entry per
+    request in ``req_ids``; slots already checked to lie within
+    ``[0, num_tokens)``).
+
+    Returns views ordered by request then offset, each with ``.modality``, and
+    a writable bool array ``[num_tokens]``. A missing output raises, except a
+    drafter boundary item (starting within ``draft_lookahead`` of the window's
+    end), which is skipped; so does a cached output whose row count is not
+    the item's ``get_num_embeds()``.
+    """
+    indices = _current_indices(cache, req_ids)
+    ends = list(map(int.__add__, starts, counts))
+    lo = list(map(bisect_right, map(_MAX_ENDS, indices), starts))
+    hi = list(map(bisect_left, map(_OFFSETS, indices), ends))
+    windows = map(getitem, map(_ENTRIES, indices), map(slice, lo, hi))
+    outputs = cache.encoder_outputs
+    rows: list[torch.Tensor] = []
+    append = rows.append
+    skips: list[tuple[int, list[FeatureEntry], list[FeatureEntry]]] = []  # drafter boundary items
+    with torch.inference_mode():  # cheaper views; they are only read
+        for n, (qs, qe, entries) in enumerate(zip(starts, ends, windows)):
+            skipped = None
+            for entry in entries:
+                off, length, ident, modality, cumsum, _, num_embeds, end = entry
+                if off >= qs and end <= qe:  # the whole item is in the window
+                    if not num_embeds:
+                        continue
+                    try:
+                        out = outputs[ident]
+                    except KeyError:
+                        out = None
+                    if out is None or out.shape[0] != num_embeds:
+                        _check_output(out, entry, req_ids[n], qs, qe, 0, num_embeds, draft_lookahead)
+                        skipped = [entry] if skipped is None else [*skipped, entry]
+                        continue
+                    # detach() makes a fresh alias (to carry the modality) more
+                    # cheaply than a slice.
+                    item = out.detach()
+                else:
+                    s = qs - off if qs > off else 0
+                    e = qe - off if qe < end else length
+                    if s >= e:  # a span nested in an earlier, longer one
+                        continue
+                    if cumsum is None:
+                        rs, re_ = s, e
+                    else:
+                        rs = cumsum[s - 1] if s else 0
+                        re_ = cumsum[e - 1]
+                        if rs == re_:  # only non-embed positions in the window
+                            continue
+                    try:
+                        out = outputs[ident]
+                    except KeyError:
+                        out = None
+                    if out is None or out.shape[0] != num_embeds:
+                        _check_output(out, entry, req_ids[n], qs, qe, rs, re_, draft_lookahead)
+                        skipped = [entry] if skipped is None else [*skipped, entry]
+                        continue
+                    item = out.detach() if re_ - rs == num_embeds else out[rs:re_]
+                item.modality = modality
+                append(item)
+            if skipped is not None:
+                skips.append((n, indices[n].entries[lo[n] : hi[n]], skipped))
+    return rows, _slot_mask(indices, starts, ends, counts, slots, num_tokens, skips)
+
+
+def _slot_mask(
+    indices: list[RequestFeatureIndex],
+    starts: list[int],
+    ends: list[int],
+    counts: list[int],
+    slots: list[int],
+    num_tokens: int,
+    skips: list[tuple[int, list[FeatureEntry], list[FeatureEntry]]],
+) -> np.ndarray:
+    """The join of each window's slice of its prompt's embed-position bytes,
+    with zero bytes where no window is (decoding requests, gaps)."""
+    pieces = list(map(getitem, map(_POSITIONS, indices), map(slice, starts, ends)))
+    if list(map(len, pieces)) != counts:  # windows running past their last item
+        for n, piece in enumerate(pieces):
+            if len(piece) < counts[n]:
+                pieces[n] = _padded_positions(indices[n], ends[n])[starts[n] : ends[n]]
+    for n, entries, skipped in skips:
+        pieces[n] = _unmark(entries, skipped, starts[n], pieces[n])
+    if slots[0] == 0 and list(accumulate(counts[:-1], initial=0)) == slots:  # packed windows
+        pieces.append(bytes(num_tokens - slots[-1] - counts[-1]))
+        return np.frombuffer(bytearray().join(pieces), dtype=bool)
+    parts: list[bytes] = []
+    cursor = 0  # slots covered by ``parts``
+    scattered: list[tuple[int, bytes]] = []  # windows out of slot order
+    for slot, piece in zip(slots, pieces):
+        if slot >= cursor:
+            if slot > cursor:
+                parts.append(bytes(slot - cursor))
+            parts.append(piece)
+            cursor = slot + len(piece)
+        else:
+            scattered.append((slot, piece))
+    parts.append(bytes(num_tokens - cursor))
+    mask = np.frombuffer(bytearray().join(parts), dtype=bool)
+    for slot, piece in scattered:
+        mask[slot : slot + len(piece)] |= np.frombuffer(piece, dtype=bool)
+    return mask
+
+
+def _padded_positions(index: RequestFeatureIndex, end: int) -> bytes:
+    """The index's embed positions, extended with zero bytes to at least
+    ``end`` (kept, doubling, so that later windows slice without padding)."""
+    positions = index.embed_positions
+    index.embed_positions = positions + bytes(max(end, 2 * len(positions)) - len(positions))
+    return index.embed_positions
+
+
+def _check_output(
+    out: torch.Tensor | None,
+    entry: FeatureEntry,
+    req_id: str,
+    qs: int,
+    qe: int,
+    rs: int,
+    re_: int,
+    draft_lookahead: int,
+) -> None:
+    """Return for the drafter's boundary item that is not encoded yet (it is
+    skipped); raise for any other miss and for a wrong row count."""
+    if out is None:
+        if entry.offset + draft_lookahead >= qe:  # the drafter's boundary item
+            return
+        raise RuntimeError(
+            f"Encoder cache miss for {entry.identifier}: request {req_id} needs "
+            f"rows [{rs}, {re_}) of its {entry.modality} item at placeholder "
+            f"offset {entry.offset} for prompt window [{qs}, {qe})"
+        )
+    raise RuntimeError(
+        f"Encoder output for {entry.identifier} has {out.shape[0]} rows, expected "
+        f"{entry.num_embeds} (get_num_embeds() of the {entry.modality} item of "
+        f"request {req_id} at offset {entry.offset}); refusing to gather a "
+        "stale or colliding cache entry"
+    )
+
+
+def _unmark(entries: list[FeatureEntry], skipped: list[FeatureEntry], qs: int, piece: bytes) -> bytes:
+    """A window's mask bytes without the drafter boundary items that were not
+    gathered (each starts within ``draft_lookahead`` of the window's end, so
+    they are its last items), re-marking the gathered items sharing those slots."""
+    mask = np.frombuffer(piece, dtype=bool).copy()
+    qe = qs + len(mask)
+    first = min(entry.offset for entry in skipped)
+    mask[max(first - qs, 0) :] = False
+    for entry in entries:
+        s, e = max(first, entry.offset, qs), min(qe, entry.end)
+        if any(entry is other for other in skipped) or s >= e:
+            continue
+        if entry.is_embed is None:
+            mask[s - qs : e - qs] = True
+        else:
+            mask[s - qs : e - qs] |= entry.is_embed[s - entry.offset : e - entry.offset]
+    return mask.tobytes()
+
