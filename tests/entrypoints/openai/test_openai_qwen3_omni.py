@@ -36,7 +36,7 @@ ENGINE = {
     "num_kv_blocks": 256,
     "max_num_seqs": 8,
 }
-TALKER = {"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 8}
+TALKER = {"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 14}  # a dozen frames: several chunks
 MESSAGES = [{"role": "user", "content": "Say something nice."}]
 MAX_TOKENS, VOICE = 8, "Chelsie"
 
@@ -91,3 +91,24 @@ def test_audio_answer_is_the_offline_pipelines(
             break
         time.sleep(0.02)
     assert all(h.is_empty for h in held.values()), held
+
+
+def test_pcm16_stream_is_the_unstreamed_answer(server: tuple[ServerThread, Any]) -> None:
+    """With ``stream: true`` the audio leaves in several pieces with one id, and their
+    PCM is the non-streamed answer's PCM (the server decodes both in chunks)."""
+    thread, _ = server
+    body = {
+        "model": NAME, "messages": MESSAGES, "max_completion_tokens": MAX_TOKENS, "temperature": 0.0,
+        "modalities": ["text", "audio"], "audio": {"voice": VOICE, "format": "pcm16"},
+    }  # fmt: skip
+    with openai.OpenAI(base_url=thread.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        pieces = [
+            choice.delta.audio
+            for chunk in client.chat.completions.create(**body, stream=True)
+            for choice in chunk.choices
+            if choice.delta.audio is not None
+        ]
+        whole = base64.b64decode(client.chat.completions.create(**body).choices[0].message.audio.data)
+    audio = [p for p in pieces if p.data]
+    assert len(audio) >= 2 and len({p.id for p in pieces}) == 1
+    assert b"".join(base64.b64decode(p.data) for p in audio) == whole
