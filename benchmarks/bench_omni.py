@@ -391,14 +391,40 @@ def _side_multi_turn(omni: Any, caches: str, convs: int, turns: int, system_len:
     return {"total": sum(clocks.seconds.values()), "thinker": clocks.seconds["thinker"]}
 
 
+def _side_first_audio(omni: Any, stream: bool, seed: int) -> dict[str, float]:
+    """CPU seconds from the call to the first audio (streamed: the first chunk; not
+    streamed: the whole waveform, which is the first audio there), and to the end."""
+    llm = LLM(
+        omni, block_size=BLOCK, max_model_len=2048, num_kv_blocks=1024, max_num_seqs=8, talker_max_model_len=2200,
+        talker_params={"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 24},
+    )  # fmt: skip
+    base = llm.llm_engine.default_talker_params
+    # Every round speaks as long: the stop codes are suppressed instead of stopping.
+    talker = {"stop_token_ids": (), "suppress_token_ids": (*base.suppress_token_ids, *base.stop_token_ids)}
+    tok = llm.get_tokenizer()
+    prompt = _chat(tok, np.random.default_rng(seed).integers(0, 256, 64).tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    t0 = time.thread_time()
+    first = None
+    if stream:
+        for event in llm.generate_stream([prompt], params, talker_params=talker):
+            if first is None and event.new_audio_chunks:
+                first = time.thread_time() - t0
+    else:
+        llm.generate([prompt], params, use_tqdm=False, talker_params=talker)
+    end = time.thread_time() - t0
+    return {"first": end if first is None else first, "end": end}
+
+
 def _spread(runs: list[dict[str, float]], key: str) -> tuple[float, float, float]:
     values = [r[key] for r in runs]
     return min(values), statistics.median(values), max(values)
 
 
 def side_by_side(rounds: int, quick: bool) -> None:
-    """Qwen2.5-Omni and Qwen3-Omni (tiny, fp32): real-time factor per stage, and the
-    caches on / off on no-hit and multi-turn work, rounds interleaved across models and configurations."""
+    """Qwen2.5-Omni and Qwen3-Omni (tiny, fp32): real-time factor per stage, time to
+    first audio streamed / not, and the caches on / off on no-hit and multi-turn work,
+    rounds interleaved across models and configurations."""
     from omnistage.models.qwen3_omni import load_qwen3_omni
     from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
 
@@ -418,6 +444,11 @@ def side_by_side(rounds: int, quick: bool) -> None:
             for caches in (("all", "none") if r % 2 == 0 else ("none", "all")):
                 run = _side_multi_turn(omni, caches, convs, turns, system_len, 100 + r)
                 samples.setdefault((name, "multi-turn", caches), []).append(run)
+    ttfa: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    for r in range(rounds):
+        for name, omni in models.items() if r % 2 == 0 else reversed(models.items()):
+            for stream in (True, False) if r % 2 == 0 else (False, True):
+                ttfa.setdefault((name, stream), []).append(_side_first_audio(omni, stream, 200 + r))
     print(f"\nside by side, tiny checkpoints, fp32, {torch.get_num_threads()} thread(s), {rounds} interleaved rounds; "
           f"CPU seconds as min / median / max; load: {_uptime()}")  # fmt: skip
     print(f"(c) real-time factor per stage (stage CPU s / audio s), {num} requests x {prompt_len}-token prompts, "
@@ -427,6 +458,13 @@ def side_by_side(rounds: int, quick: bool) -> None:
         stages = [k for k in runs[0] if k.startswith("rtf_")]
         cells = ", ".join(f"{k[4:]} {_spread(runs, k)[0]:.3f}" for k in stages)
         print(f"    {name:<13} best RTF: {cells}  (audio {runs[0]['audio_s']:.2f} s)")
+    print("(f) time to first audio, one request, 24 codes (stops suppressed): streamed / not (CPU s, min/median/max)")
+    for name in models:
+        st, whole = ttfa[(name, True)], ttfa[(name, False)]
+        lo_s, med_s, hi_s = _spread(st, "first")
+        lo_w, med_w, hi_w = _spread(whole, "first")
+        print(f"    {name:<13} streamed {lo_s:.3f}/{med_s:.3f}/{hi_s:.3f}  not {lo_w:.3f}/{med_w:.3f}/{hi_w:.3f}  "
+              f"ratio median {med_s / med_w:.3f}; streamed end {_spread(st, 'end')[1]:.3f}")  # fmt: skip
     print("(d) tensor prefix cache on / off, no shared prefixes (KV prefix caching on in both; target <= 1.03)")
     for name in models:
         on, off = samples[(name, "no-hits", "all")], samples[(name, "no-hits", "kv")]

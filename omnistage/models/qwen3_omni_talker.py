@@ -44,7 +44,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from omnistage.attention.paged_attention import AttentionMetadata, StepLayout
@@ -415,10 +414,3 @@ def _sample_top_k_top_p(
     scores[order[remove]] = float("-inf")
     probs = scores.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def frames_tensor(frames: Sequence[Sequence[int]], num_code_groups: int) -> np.ndarray:
-    """``[num_code_groups, N]`` int64 codes of ``N`` frames (the vocoder's layout)."""
-    if not frames:
-        return np.zeros((num_code_groups, 0), dtype=np.int64)
-    return np.asarray(frames, dtype=np.int64).T.copy()

@@ -19,10 +19,7 @@ class OneShotRunner:
     payload, and returns ``{key: array}``; the outputs come back in
     ``ModelRunnerOutput.multimodal_outputs``. Requests run one at a time,
     never padded into one batch: a model whose attention is block-local
-    (Qwen2.5-Omni's token2wav DiT) would give other results padded. A model
-    for which batching is exact says so by offering ``run_batch(payloads)
-    -> [outputs]`` (Qwen3-Omni's causal code2wav); the step's requests then
-    run in one call.
+    (Qwen2.5-Omni's token2wav DiT) would give other results padded.
     """
 
     def __init__(self, model: Any) -> None:
@@ -30,12 +27,7 @@ class OneShotRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        new = so.scheduled_new_reqs
-        run_batch = getattr(self.model, "run_batch", None)
-        if run_batch is not None and len(new) > 1:
-            outputs = dict(zip((n.req_id for n in new), run_batch([n.payload for n in new])))
-        else:
-            outputs = {n.req_id: self.model(n.payload) for n in new}
+        outputs = {new.req_id: self.model(new.payload) for new in so.scheduled_new_reqs}
         return ModelRunnerOutput(req_ids=list(outputs), multimodal_outputs=outputs)
 
     def forget(self, req_ids: list[str]) -> None:
