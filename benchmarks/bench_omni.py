@@ -41,6 +41,9 @@ of the cost. The tensor cache's memory is printed beside its KV pool.
 
 Run: ``python benchmarks/bench_omni.py`` (``--quick`` for a smaller run;
 ``--only streaming`` for (c) and (d) alone).
+``--side-by-side`` instead runs both tiny checkpoints, Qwen2.5-Omni and
+Qwen3-Omni, on the same chat prompts: real-time factor per stage, and the
+caches on / off on no-hit and multi-turn work (``side_by_side``).
 """
 
 from __future__ import annotations
@@ -253,9 +256,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and requests")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", choices=["streaming"], help="run one section alone")
+    parser.add_argument("--side-by-side", action="store_true", help="only Qwen2.5-Omni beside Qwen3-Omni")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds = 3 if args.quick else 7
+    if args.side_by_side:
+        side_by_side(rounds, args.quick)
+        return
     path = args.checkpoint or write_tiny_qwen2_5_omni(tempfile.mkdtemp(prefix="bench_omni_"))
     omni = load_qwen2_5_omni(path)
     if args.only == "streaming":
@@ -311,6 +318,176 @@ def report(label: str, results: dict[str, dict[str, float]], key: str, target: f
     on, off = results["on"][key], results["off"][key]
     goal = f"  (target <= {target})" if target is not None else ""
     print(f"    {label:<44}: on {on:7.3f} s, off {off:7.3f} s, on/off = {on / off:.3f}{goal}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-Omni beside Qwen2.5-Omni (``--side-by-side``): both tiny checkpoints, the same chat
+# prompts, one run. Kept apart from the Qwen2.5-only measures above so either can change alone.
+
+
+def _chat(tok: Any, body: list[int], history: list[int] | None = None) -> list[int]:
+    """``history`` (or nothing) + a user turn of ``body`` tokens + the assistant prompt: Qwen3-Omni's
+    talker reads the user turns and the last assistant turn, so every prompt is a chat."""
+    head = tok("<|im_start|>user\n").input_ids
+    tail = tok("<|im_end|>\n<|im_start|>assistant\n").input_ids
+    return (history or []) + head + body + tail
+
+
+class StageClocks:
+    """CPU seconds spent in each stage's ``step`` (this thread; torch runs on one)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds = {name: 0.0 for name in llm.llm_engine.stages}
+        for name, stage in llm.llm_engine.stages.items():
+            stage.step = self._timed(name, stage.step)  # type: ignore[method-assign]
+
+    def _timed(self, name: str, step: Callable[[], Any]) -> Callable[[], Any]:
+        def timed() -> Any:
+            t0 = time.thread_time()
+            try:
+                return step()
+            finally:
+                self.seconds[name] += time.thread_time() - t0
+
+        return timed
+
+
+def _side_llm(omni: Any, caches: str) -> LLM:
+    return LLM(
+        omni, block_size=BLOCK, max_model_len=2048, num_kv_blocks=1024, max_num_seqs=8, talker_max_model_len=2200,
+        talker_params={"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 12},
+        enable_prefix_caching=caches != "none", enable_tensor_prefix_cache=caches == "all",
+    )  # fmt: skip
+
+
+def _side_no_hits(omni: Any, caches: str, num: int, prompt_len: int, seed: int) -> dict[str, float]:
+    llm = _side_llm(omni, caches)
+    clocks = StageClocks(llm)
+    rng = np.random.default_rng(seed)
+    tok = llm.get_tokenizer()
+    prompts = [_chat(tok, rng.integers(0, 256, prompt_len).tolist()) for _ in range(num)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 and o.audio is not None for o in outs)
+    audio_s = sum(o.audio.shape[0] for o in outs) / outs[0].sample_rate
+    return {"total": sum(clocks.seconds.values()), "audio_s": audio_s,
+            **{f"rtf_{k}": v / audio_s for k, v in clocks.seconds.items()}}  # fmt: skip
+
+
+def _side_multi_turn(omni: Any, caches: str, convs: int, turns: int, system_len: int, seed: int) -> dict[str, float]:
+    llm = _side_llm(omni, caches)
+    clocks = StageClocks(llm)
+    tok = llm.get_tokenizer()
+    rng = np.random.default_rng(seed)
+    histories = [_chat(tok, rng.integers(0, 256, system_len).tolist()) for _ in range(convs)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    hits = 0
+    for turn in range(turns):
+        outs = llm.generate(histories, params, use_tqdm=False)
+        hits += sum(o.num_cached_tokens > 0 for o in outs)
+        question = tok(f"and what happened in part {turn + 2}?").input_ids
+        histories = [_chat(tok, question, h + list(o.outputs[0].token_ids)) for h, o in zip(histories, outs)]
+    if caches == "all":
+        assert hits == convs * (turns - 1), f"expected every later turn to hit, got {hits}"
+    return {"total": sum(clocks.seconds.values()), "thinker": clocks.seconds["thinker"]}
+
+
+def _side_first_audio(omni: Any, stream: bool, seed: int) -> dict[str, float]:
+    """CPU seconds from the call to the first audio (streamed: the first chunk; not
+    streamed: the whole waveform, which is the first audio there), and to the end."""
+    llm = LLM(
+        omni, block_size=BLOCK, max_model_len=2048, num_kv_blocks=1024, max_num_seqs=8, talker_max_model_len=2200,
+        talker_params={"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 24},
+    )  # fmt: skip
+    base = llm.llm_engine.default_talker_params
+    # Every round speaks as long: the stop codes are suppressed instead of stopping.
+    talker = {"stop_token_ids": (), "suppress_token_ids": (*base.suppress_token_ids, *base.stop_token_ids)}
+    tok = llm.get_tokenizer()
+    prompt = _chat(tok, np.random.default_rng(seed).integers(0, 256, 64).tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    t0 = time.thread_time()
+    first = None
+    if stream:
+        for event in llm.generate_stream([prompt], params, talker_params=talker):
+            if first is None and event.new_audio_chunks:
+                first = time.thread_time() - t0
+    else:
+        llm.generate([prompt], params, use_tqdm=False, talker_params=talker)
+    end = time.thread_time() - t0
+    return {"first": end if first is None else first, "end": end}
+
+
+def _spread(runs: list[dict[str, float]], key: str) -> tuple[float, float, float]:
+    values = [r[key] for r in runs]
+    return min(values), statistics.median(values), max(values)
+
+
+def side_by_side(rounds: int, quick: bool) -> None:
+    """Qwen2.5-Omni and Qwen3-Omni (tiny, fp32): real-time factor per stage, time to
+    first audio streamed / not, and the caches on / off on no-hit and multi-turn work,
+    rounds interleaved across models and configurations."""
+    from omnistage.models.qwen3_omni import load_qwen3_omni
+    from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
+
+    models = {
+        "Qwen2.5-Omni": load_qwen2_5_omni(write_tiny_qwen2_5_omni(tempfile.mkdtemp(prefix="bench_q25_"))),
+        "Qwen3-Omni": load_qwen3_omni(write_tiny_qwen3_omni(tempfile.mkdtemp(prefix="bench_q3_"))),
+    }
+    num, prompt_len = (4, 128) if quick else (8, 256)
+    convs, turns, system_len = (2, 3, 256) if quick else (4, 3, 512)
+    for omni in models.values():  # warm up: first calls allocate
+        _side_no_hits(omni, "all", 1, 32, seed=12345)
+    samples: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    for r in range(rounds):
+        for name, omni in (models.items() if r % 2 == 0 else reversed(models.items())):
+            for caches in (("all", "kv") if r % 2 == 0 else ("kv", "all")):
+                samples.setdefault((name, "no-hits", caches), []).append(_side_no_hits(omni, caches, num, prompt_len, r))
+            for caches in (("all", "none") if r % 2 == 0 else ("none", "all")):
+                run = _side_multi_turn(omni, caches, convs, turns, system_len, 100 + r)
+                samples.setdefault((name, "multi-turn", caches), []).append(run)
+    ttfa: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    for r in range(rounds):
+        for name, omni in models.items() if r % 2 == 0 else reversed(models.items()):
+            for stream in (True, False) if r % 2 == 0 else (False, True):
+                ttfa.setdefault((name, stream), []).append(_side_first_audio(omni, stream, 200 + r))
+    print(f"\nside by side, tiny checkpoints, fp32, {torch.get_num_threads()} thread(s), {rounds} interleaved rounds; "
+          f"CPU seconds as min / median / max; load: {_uptime()}")  # fmt: skip
+    print(f"(c) real-time factor per stage (stage CPU s / audio s), {num} requests x {prompt_len}-token prompts, "
+          "24 text tokens, up to 12 codes, every cache on")  # fmt: skip
+    for name in models:
+        runs = samples[(name, "no-hits", "all")]
+        stages = [k for k in runs[0] if k.startswith("rtf_")]
+        cells = ", ".join(f"{k[4:]} {_spread(runs, k)[0]:.3f}" for k in stages)
+        print(f"    {name:<13} best RTF: {cells}  (audio {runs[0]['audio_s']:.2f} s)")
+    print("(f) time to first audio, one request, 24 codes (stops suppressed): streamed / not (CPU s, min/median/max)")
+    for name in models:
+        st, whole = ttfa[(name, True)], ttfa[(name, False)]
+        lo_s, med_s, hi_s = _spread(st, "first")
+        lo_w, med_w, hi_w = _spread(whole, "first")
+        print(f"    {name:<13} streamed {lo_s:.3f}/{med_s:.3f}/{hi_s:.3f}  not {lo_w:.3f}/{med_w:.3f}/{hi_w:.3f}  "
+              f"ratio median {med_s / med_w:.3f}; streamed end {_spread(st, 'end')[1]:.3f}")  # fmt: skip
+    print("(d) tensor prefix cache on / off, no shared prefixes (KV prefix caching on in both; target <= 1.03)")
+    for name in models:
+        on, off = samples[(name, "no-hits", "all")], samples[(name, "no-hits", "kv")]
+        lo_on, med_on, hi_on = _spread(on, "total")
+        lo_off, med_off, hi_off = _spread(off, "total")
+        print(f"    {name:<13} on {lo_on:.3f}/{med_on:.3f}/{hi_on:.3f}  off {lo_off:.3f}/{med_off:.3f}/{hi_off:.3f}"
+              f"  on/off best {lo_on / lo_off:.3f}, median {med_on / med_off:.3f}")  # fmt: skip
+    print(f"(e) multi-turn, {convs} conversations x {turns} turns, {system_len}-token first prompt: all caches on / off")
+    for name in models:
+        on, off = samples[(name, "multi-turn", "all")], samples[(name, "multi-turn", "none")]
+        for key in ("total", "thinker"):
+            lo_on, med_on, _ = _spread(on, key)
+            lo_off, med_off, _ = _spread(off, key)
+            print(f"    {name:<13} {key:<8} on {lo_on:.3f} off {lo_off:.3f}  on/off best {lo_on / lo_off:.3f}, "
+                  f"median {med_on / med_off:.3f}")  # fmt: skip
+
+
+def _uptime() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return "loadavg " + " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

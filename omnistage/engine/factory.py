@@ -7,8 +7,10 @@ from typing import Any
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.omni.pipeline import OmniPipeline
 from omnistage.engine.omni.qwen2_5_omni import OmniOptions, build_omni_pipeline
+from omnistage.engine.omni.qwen3_omni import build_qwen3_omni_pipeline
 from omnistage.engine.stage_engine import StageEngine
 from omnistage.models.qwen2_5_omni import OmniModel, is_omni_checkpoint, load_qwen2_5_omni
+from omnistage.models.qwen3_omni import Qwen3OmniModel, is_qwen3_omni_checkpoint, load_qwen3_omni
 
 __all__ = ["Engine", "build_engine"]
 
@@ -30,6 +32,9 @@ def build_engine(args: EngineArgs, options: OmniOptions | None = None, loaded: A
         from omnistage.engine.distributed.data_parallel import DataParallelEngine  # imports Ray
 
         return DataParallelEngine(args, options)  # type: ignore[return-value]
+    if isinstance(loaded, Qwen3OmniModel) or (loaded is None and is_qwen3_omni_checkpoint(args.model)):
+        q3 = loaded if isinstance(loaded, Qwen3OmniModel) else load_qwen3_omni(args.model, args.dtype, args.device)  # type: ignore[arg-type]
+        return build_qwen3_omni_pipeline(args, q3, options)
     if isinstance(loaded, OmniModel) or (loaded is None and is_omni_checkpoint(args.model)):
         omni = loaded if isinstance(loaded, OmniModel) else load_qwen2_5_omni(args.model, args.dtype, args.device)  # type: ignore[arg-type]
         return build_omni_pipeline(args, omni, options)

@@ -31,6 +31,7 @@ from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import InputProcessor, ProcessedInputs, PromptType
 from omnistage.engine.output_processor import OutputProcessor
 from omnistage.engine.stage import StageHeld, StageSpec
+from omnistage.models.interface import tensor_cache_policy_of
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
@@ -179,8 +180,10 @@ class StageEngine:
             seed=args.seed,
             max_num_batched_tokens=args.max_num_batched_tokens,
             # Only where a hit can happen: without KV prefix caching every token is
-            # forwarded, and every row comes from the step itself.
-            enable_tensor_cache=spec.enable_tensor_cache and prefix_caching,
+            # forwarded, and every row comes from the step itself. Deferred keys are
+            # staged and committed whenever the model declares them.
+            enable_tensor_cache=spec.enable_tensor_cache
+            and (prefix_caching or bool(tensor_cache_policy_of(getattr(loaded_model, "mm_adapter", None) or loaded_model.model).deferred_keys)),
             drafter=drafter,
         )
         if args.num_encoder_workers:

@@ -172,11 +172,13 @@ class PagedOmniTalker:
             x = torch.where(mask[:, None], self.embed_codec(step.input_ids[: step.num_tokens]) + x, x)
         return x, pos
 
-OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration",)
+OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration")
+_OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen3_omni_moe")
 
 
 def is_omni_checkpoint(model: str | Path | None) -> bool:
-    """True for a checkpoint folder of a whole omni model (thinker + talker + token2wav)."""
+    """True for a checkpoint folder of a whole omni model (thinker + talker + vocoder):
+    Qwen2.5-Omni or Qwen3-Omni (``load_qwen3_omni`` loads the latter)."""
     if model is None:
         return False
     config = Path(model).expanduser() / "config.json"
@@ -187,7 +189,11 @@ def is_omni_checkpoint(model: str | Path | None) -> bool:
     except (OSError, ValueError):
         return False
     architectures = set(data.get("architectures") or ())
-    return bool(architectures & set(OMNI_ARCHITECTURES)) or data.get("model_type") == "qwen2_5_omni"
+    return bool(architectures & set(OMNI_ARCHITECTURES)) or data.get("model_type") in _OMNI_MODEL_TYPES
+
+
+def _model_type(path: Path) -> str | None:
+    return json.loads((path / "config.json").read_text()).get("model_type")
 
 
 @dataclass
@@ -220,7 +226,7 @@ def load_qwen2_5_omni(
     from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
     path = Path(model).expanduser()
-    if not is_omni_checkpoint(path):
+    if not is_omni_checkpoint(path) or _model_type(path) != "qwen2_5_omni":
         raise ValueError(f"{str(path)!r} is not a Qwen2.5-Omni checkpoint folder (config.json architectures)")
     with hf_progress_bars_off():
         hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=resolve_dtype(dtype))

@@ -26,7 +26,7 @@ from omnistage.multimodal.media import load_audio, load_image, load_video
 from omnistage.multimodal.processor_config import processor_settings
 from omnistage.multimodal.video_processing import QwenVideoPreprocessor
 
-__all__ = ["MultiModalProcessor", "ProcessedPrompt", "audio_output_length"]
+__all__ = ["MultiModalProcessor", "ProcessedPrompt", "audio_output_length", "qwen3_audio_output_length"]
 
 _MODALITIES = ("image", "video", "audio")
 _OPTION_KEYS = {
@@ -49,6 +49,14 @@ def audio_output_length(num_frames: int) -> int:
     return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
+def qwen3_audio_output_length(num_frames: int, n_window: int = 50) -> int:
+    """Qwen3-Omni audio-tower output rows for ``num_frames`` mel frames (transformers'
+    ``_get_feat_extract_output_lengths``: each whole chunk of ``2 * n_window`` frames gives 13)."""
+    chunk = 2 * n_window
+    feat = (num_frames % chunk - 1) // 2 + 1
+    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (num_frames // chunk) * 13
+
+
 @dataclass
 class ProcessedPrompt:
     prompt_token_ids: list[int]
@@ -64,14 +72,17 @@ class MultiModalProcessor:
 
         path = os.fspath(model_path)
         config = AutoConfig.from_pretrained(path)
-        if config.model_type == "qwen2_5_omni":
+        if config.model_type in ("qwen2_5_omni", "qwen3_omni_moe"):
             config = config.thinker_config
-        if config.model_type not in ("qwen2_5_vl", "qwen2_5_omni_thinker"):
+        if config.model_type not in ("qwen2_5_vl", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"):
             raise ValueError(
                 f"MultiModalProcessor: model_type {config.model_type!r} is not supported; "
-                "expected qwen2_5_vl, qwen2_5_omni or qwen2_5_omni_thinker"
+                "expected qwen2_5_vl, qwen2_5_omni(_thinker) or qwen3_omni_moe"
             )
-        self.is_omni = config.model_type == "qwen2_5_omni_thinker"
+        self.is_omni = config.model_type in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
+        is_qwen3 = config.model_type == "qwen3_omni_moe_thinker"
+        n_window = int(getattr(getattr(config, "audio_config", None), "n_window", 50))
+        self._audio_length = (lambda n: qwen3_audio_output_length(n, n_window)) if is_qwen3 else audio_output_length
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
@@ -88,6 +99,8 @@ class MultiModalProcessor:
         self.placeholder_ids = {"image": config.image_token_id, "video": config.video_token_id}
         if self.is_omni:
             self.placeholder_ids["audio"] = config.audio_token_id
+        if is_qwen3:  # its video is not wired yet
+            self.placeholder_ids = {"image": config.image_token_id, "audio": config.audio_token_id}
         # default fps when a video comes without one: transformers' Qwen2.5-VL
         # processor falls back to 24, the Qwen2.5-Omni processor to 2.0
         self.default_fps = 2.0 if self.is_omni else 24.0
@@ -116,7 +129,7 @@ class MultiModalProcessor:
             * (self.video_processor.size["longest_edge"] // unit),
         }
         if self.is_omni:
-            out["audio"] = audio_output_length(self.feature_extractor.nb_max_frames)
+            out["audio"] = self._audio_length(self.feature_extractor.nb_max_frames)
         return out
 
     def encoder_settings(self) -> dict[str, Any]:
@@ -196,7 +209,7 @@ class MultiModalProcessor:
         data = {"input_features": features, "audio_feature_lengths": torch.tensor([num_frames], dtype=torch.int64)}
         # hashed at the model's rate: equal sound shares however it was supplied
         identifier = hash_audio(waveform, fe.sampling_rate, options)
-        return data, audio_output_length(num_frames), identifier
+        return data, self._audio_length(num_frames), identifier
 
     # -------------------------------------------------------------- prompts
 

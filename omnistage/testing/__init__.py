@@ -14,6 +14,9 @@ writes), with fixed-seed random weights small enough for a CPU. Point
   ``write_tiny_qwen2_5_omni_thinker``.
 - :mod:`~omnistage.testing.tiny_omni_checkpoint`: the whole Qwen2.5-Omni
   model (thinker, talker, token2wav, speakers), ``write_tiny_qwen2_5_omni``.
+- :mod:`~omnistage.testing.tiny_qwen3_omni_checkpoint`: the whole Qwen3-Omni
+  model (MoE thinker, talker + code predictor, code2wav, speakers in its
+  config), ``write_tiny_qwen3_omni``.
 - :mod:`~omnistage.testing.tiny_eagle`: an EAGLE-1 draft head for any of
   those targets, in the layout vLLM loads, ``write_tiny_eagle_head(target,
   path)`` (random, or ``mimic_target_layer=True`` for one that copies the
@@ -48,6 +51,7 @@ from omnistage.testing.tiny_mm_checkpoints import (
 )
 from omnistage.testing.tiny_eagle import write_tiny_eagle_head
 from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
+from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
 
 __all__ = [
     "PROCESSOR_LAYOUTS",
@@ -58,4 +62,5 @@ __all__ = [
     "write_tiny_qwen2_5_omni",
     "write_tiny_qwen2_5_omni_thinker",
     "write_tiny_qwen2_5_vl",
+    "write_tiny_qwen3_omni",
 ]

@@ -138,6 +138,7 @@ class ModelRunner:
         # The declarations sit on the multimodal adapter when there is one, else on the model.
         self.stage_model = self.mm_adapter or self.model
         policy = tensor_cache_policy_of(self.stage_model)
+        self._deferred_keys = policy.deferred_keys
         self.tensor_cache: StepTensorCache | None = None
         if enable_tensor_cache and policy.caches_anything:
             self.tensor_cache = StepTensorCache(policy, num_kv_blocks, block_size, m.hidden_size, m.dtype)
@@ -277,13 +278,13 @@ class ModelRunner:
         rows = self._per_token_rows(step, *pending_rows) if pending_rows else {}
         if rows:
             out.hidden_states = rows
-        cache = self.tensor_cache
-        if cache is not None and cache.policy.deferred_keys:
-            # Known only now (they depend on the sampled tokens): staged until the
-            # request finishes, dropped if it is aborted or preempted first.
+        if self._deferred_keys:
+            # Known only now (they depend on the sampled tokens; the model may also need
+            # them for its next inputs): staged until the request finishes, dropped if it
+            # is aborted or preempted first.
             deferred = self.stage_model.deferred_outputs(step, hidden, out)
-            if deferred:
-                cache.stage_deferred(step, self.input_batch, deferred)
+            if deferred and self.tensor_cache is not None:
+                self.tensor_cache.stage_deferred(step, self.input_batch, deferred)
         if self.proposer is not None:
             out.draft_token_ids = self.proposer.propose(
                 step, hidden, self.input_batch, so.draft_token_requests, self.model_state
@@ -366,6 +367,9 @@ class ModelRunner:
             self.num_encoded_items += sum(len(v) for v in scheduled.values())
         inputs = StepModelInputs(step.input_ids, self._mrope_positions(step))
         mm_rows, is_mm_embed = state.gather_mm_embeddings(step)
+        begin_step = getattr(self.mm_adapter, "begin_step", None)
+        if begin_step is not None:  # rows an adapter adds past the embeddings (Qwen3-Omni's deepstack)
+            begin_step(mm_rows, is_mm_embed if mm_rows else None)
         if mm_rows:
             inputs.inputs_embeds = state.encoder_runner.get_inputs_embeds(
                 step.input_ids[: step.num_tokens], mm_rows, is_mm_embed

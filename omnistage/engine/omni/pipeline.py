@@ -22,6 +22,7 @@ from omnistage.engine.input_processor import ProcessedInputs, PromptType
 from omnistage.engine.stage import StageHeld
 from omnistage.engine.stage_engine import EngineStats, StageEngine
 from omnistage.engine.omni.stage_io import (
+    DEFAULT_SPEAKER,
     TalkerParams,
     TalkerRequest,
     ThinkerOutputForTalker,
@@ -46,6 +47,8 @@ class _Pending:
     stream_audio: bool = False  # decode in the vocoder's streaming chunks
     output: RequestOutput | None = None  # the thinker's, once finished
     codes: list[int] | None = None  # the talker's, once finished
+    talker_state: Any = None  # the talker stage's payload (Qwen3-Omni: its frames)
+    frames: list[list[int]] | None = None  # every code group of each frame the vocoder got (Qwen3-Omni)
     vocoding: bool = False  # in the vocoder stage (added once its first chunk was ready)
     audio_chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
 
@@ -89,6 +92,7 @@ class OmniPipeline:
         default_talker_params: TalkerParams | None,
         seed: int = 0,
         sample_rate: int = 24000,
+        default_speaker: str | None = None,
     ) -> None:
         self.stages: dict[str, StageEngine] = {"thinker": thinker}
         if talker is not None and token2wav is not None:
@@ -98,6 +102,7 @@ class OmniPipeline:
         self.default_talker_params = default_talker_params
         self.seed = seed
         self.sample_rate = sample_rate
+        self.default_speaker = default_speaker
         self._pending: dict[str, _Pending] = {}
 
     # -- what the serving code reads, as of a stage engine --------------------------
@@ -157,6 +162,17 @@ class OmniPipeline:
         held["pipeline"] = StageHeld(requests=len(self._pending))
         return held
 
+    def speakable_frames(self, request_id: str) -> list[list[int]]:
+        """Qwen3-Omni: the frames of ``request_id`` that are audio for sure, so far (every
+        code group of each). A frame is final once a later code was sampled: the last
+        sampled code's frame is never audio. Empty for other models or unknown ids; for
+        streaming, feed the new ones to the vocoder's ``stream()``."""
+        pending = self._pending.get(request_id)
+        frames = getattr(pending.talker_state, "frames", None) if pending is not None else None
+        if pending is not None and pending.frames is not None:
+            return pending.frames  # the talker finished: exactly what the vocoder gets
+        return [list(f) for f in frames[:-1]] if frames else []
+
     # -- requests ----------------------------------------------------------------
 
     def add_request(
@@ -189,8 +205,9 @@ class OmniPipeline:
         if return_audio and params.n != 1:
             raise ValueError(f"request {request_id!r}: audio output supports n=1 only, got n={params.n}")
         if return_audio:
-            name = resolve_speaker(speaker, self.speakers)
-            bos = int(self.speakers[name]["bos_token"])
+            name = resolve_speaker(speaker, self.speakers, self.default_speaker or DEFAULT_SPEAKER)
+            voice = self.speakers[name]  # Qwen2.5-Omni: {"bos_token": text id, ...}; Qwen3-Omni: a codec id
+            bos = int(voice["bos_token"]) if isinstance(voice, dict) else int(voice)
             chosen = self._talker_params(talker_params)
         inputs = self.thinker.process_inputs(request_id, prompt)
         self.thinker.add_request(request_id, inputs, params, arrival_time, return_hidden_states=return_audio)
@@ -277,8 +294,10 @@ class OmniPipeline:
             )
         handoff = ThinkerOutputForTalker(rid, prompt_ids, output_ids, states, **pending.grids)
         talker = self.stages["talker"]
-        inputs = talker.process_inputs(rid, TalkerRequest(handoff, pending.speaker, pending.speaker_bos_token_id, pending.seed))
         tp = pending.talker_params
+        request = TalkerRequest(handoff, pending.speaker, pending.speaker_bos_token_id, pending.seed, tp)
+        inputs = talker.process_inputs(rid, request)
+        pending.talker_state = inputs.payload
         room = talker.max_model_len - len(inputs.prompt_token_ids)
         if room < 1:
             raise ValueError(
@@ -307,15 +326,24 @@ class OmniPipeline:
             if completion.finish_reason == "stop" and codes and codes[-1] in stops:
                 codes.pop()  # the stop code is not audio
             pending.codes = codes
+        units: list[Any] = codes  # what the vocoder decodes
+        frames = getattr(pending.talker_state, "frames", None)
+        if frames is not None:
+            # Qwen3-Omni: whole frames (every code group). The last sampled code's frame is
+            # never audio (transformers never predicts its residual codes): a frame is final
+            # once a later code exists, and at the end the vocoder gets len(codes) - 1 frames.
+            units = [list(f) for f in frames[: max(0, len(completion.token_ids) - 1)]]
+            if out.finished:
+                pending.frames = units
         vocoder = self.stages["token2wav"]
         rid = out.request_id
         if not pending.vocoding:
-            if not out.finished and not self.vocoder_schedule(pending.stream_audio).num_ready(len(codes), False):
+            if not out.finished and not self.vocoder_schedule(pending.stream_audio).num_ready(len(units), False):
                 return
-            request = Token2WavRequest(rid, codes, pending.speaker, pending.seed, stream=pending.stream_audio)
+            request = Token2WavRequest(rid, units, pending.speaker, pending.seed, stream=pending.stream_audio)
             vocoder.add_request(rid, request)
             pending.vocoding = True
-        vocoder.extend_request(rid, codes, final=out.finished)
+        vocoder.extend_request(rid, units, final=out.finished)
 
     def vocoder_schedule(self, stream: bool) -> ChunkSchedule:
         """The vocoder's chunk schedule for a streamed (or whole) decode."""
@@ -350,6 +378,8 @@ class OmniPipeline:
         audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
         out.audio, out.audio_chunks, out.sample_rate = audio, list(chunks), self.sample_rate
         out.extra["codec_token_ids"] = list(pending.codes or [])
+        if pending.frames is not None:
+            out.extra["codec_frames"] = pending.frames
         out.extra["audio_time"] = time.monotonic()  # vs. out.metrics.arrival_time: time to audio
         done.append(out)
 

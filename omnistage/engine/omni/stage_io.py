@@ -43,8 +43,9 @@ class TalkerRequest:
 
     handoff: ThinkerOutputForTalker
     speaker: str
-    speaker_bos_token_id: int
+    speaker_bos_token_id: int  # Qwen2.5-Omni: the speaker's text bos id; Qwen3-Omni: its codec id
     seed: int
+    talker_params: TalkerParams | None = None
 
     @property
     def request_id(self) -> str:
@@ -94,6 +95,20 @@ class TalkerParams:
         )
         return base.replace(**overrides)
 
+    @classmethod
+    def qwen3_defaults(cls, talker_config: Any, **overrides: Any) -> TalkerParams:
+        """Qwen3-Omni ``generate()``'s talker defaults: temperature 0.9, top-k 50, top-p 1,
+        repetition penalty 1.05, stop at codec EOS, the top 1024 codec ids but EOS suppressed."""
+        vocab, eos = int(talker_config.text_config.vocab_size), int(talker_config.codec_eos_token_id)
+        base = cls(
+            temperature=0.9,
+            top_k=50,
+            top_p=1.0,
+            stop_token_ids=(eos,),
+            suppress_token_ids=tuple(i for i in range(max(0, vocab - 1024), vocab) if i != eos),
+        )
+        return base.replace(**overrides)
+
     def replace(self, **overrides: Any) -> TalkerParams:
         """These parameters with some fields replaced; unknown names and a
         non-positive repetition penalty are refused."""
@@ -110,13 +125,18 @@ class TalkerParams:
         return params
 
 
-def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any]) -> str:
-    """``None`` means the checkpoint's default voice: "Chelsie" when the
-    checkpoint has it (as transformers assumes), else its first speaker."""
+def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any], default: str = DEFAULT_SPEAKER) -> str:
+    """``None`` means the checkpoint's default voice: ``default`` when the
+    checkpoint has it (as transformers assumes), else its first speaker. Names
+    match case-insensitively (transformers lower-cases Qwen3-Omni's)."""
     if not speakers:
-        raise ValueError("this checkpoint has no speakers (spk_dict.pt), so it cannot produce audio")
+        raise ValueError("this checkpoint has no speakers, so it cannot produce audio")
+    by_case = {name.lower(): name for name in speakers}
     if speaker is None:
-        return DEFAULT_SPEAKER if DEFAULT_SPEAKER in speakers else sorted(speakers)[0]
+        speaker = default
+        if speaker.lower() not in by_case:
+            return sorted(speakers)[0]
+    speaker = by_case.get(speaker.lower(), speaker)
     if speaker not in speakers:
         raise ValueError(f"unknown speaker {speaker!r}; this checkpoint has {sorted(speakers)}")
     return speaker
