@@ -62,7 +62,7 @@ class RequestOutput:
     # Set when the request failed inside the engine (its step raised); finish_reason is "error".
     error: str | None = None
     # What a pipeline stage hands to the next (vllm-omni's name): per-token
-    # rows ("hidden_states"), a one-shot stage's outputs ("audio").
+    # rows ("hidden_states"), a vocoder stage's outputs ("audio").
     multimodal_output: dict = field(default_factory=dict)
 
 

@@ -9,8 +9,8 @@ stop string later turns out to straddle a step and is cut off.
 Stage outputs: per-token rows a request returns (``ModelRunnerOutput.hidden_states``)
 are gathered step by step and handed over once, concatenated, in the finished
 output's ``multimodal_output["hidden_states"]``; a preemption drops those
-gathered so far (the resumed request returns them again). A one-shot or
-chunked stage's outputs of a step (``multimodal_outputs``: a waveform, or this
+gathered so far (the resumed request returns them again). A chunked
+stage's outputs of a step (``multimodal_outputs``: a waveform, or this
 step's chunk of one) go to that step's ``multimodal_output`` as they are.
 """
 
@@ -40,7 +40,7 @@ class CompletionState:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     rows: list[torch.Tensor] = field(default_factory=list)  # per-token outputs gathered so far
-    stage_outputs: dict[str, Any] = field(default_factory=dict)  # a one-shot / chunked stage's, of the last step
+    stage_outputs: dict[str, Any] = field(default_factory=dict)  # a chunked (vocoder) stage's, of the last step
 
     def __post_init__(self) -> None:
         params = self.request.sampling_params

@@ -29,12 +29,10 @@ class StageSpec:
 
     - ``name``: the stage's name in a pipeline ("thinker", "talker", ...).
     - ``kind``: ``"autoregressive"`` runs the paged scheduler and the model
-      runner (KV cache, continuous batching, sampling); ``"one_shot"`` runs
-      each request through the model once, first come first served, up to
-      ``max_requests_per_step`` per step (a vocoder: no KV, no sampling);
-      ``"chunked"`` runs a ``ChunkedVocoder`` on chunks of each request's codes
+      runner (KV cache, continuous batching, sampling); ``"chunked"`` runs a ``ChunkedVocoder`` on chunks of each request's codes
       as ``StageEngine.extend_request`` brings them, one chunk per request and
-      up to ``max_requests_per_step`` requests per step (a streaming vocoder).
+      up to ``max_requests_per_step`` requests per step (a vocoder: no KV, no
+      sampling; a whole decode is a one-chunk schedule).
     - ``input_processor``: what the stage consumes; None takes prompts
       (text, token ids, dicts with media) through the model's tokenizer and
       media processor.
@@ -46,15 +44,15 @@ class StageSpec:
     """
 
     name: str = "llm"
-    kind: Literal["autoregressive", "one_shot", "chunked"] = "autoregressive"
+    kind: Literal["autoregressive", "chunked"] = "autoregressive"
     input_processor: StageInputProcessor | None = None
     enable_prefix_caching: bool = True
     enable_tensor_cache: bool = True
     max_requests_per_step: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in ("autoregressive", "one_shot", "chunked"):
-            raise ValueError(f"StageSpec.kind must be 'autoregressive', 'one_shot' or 'chunked', got {self.kind!r}")
+        if self.kind not in ("autoregressive", "chunked"):
+            raise ValueError(f"StageSpec.kind must be 'autoregressive' or 'chunked', got {self.kind!r}")
         if self.max_requests_per_step < 1:
             raise ValueError(f"StageSpec.max_requests_per_step must be >= 1, got {self.max_requests_per_step}")
 

@@ -23,7 +23,6 @@ from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.core.config import SchedulerConfig
 from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
 from omnistage.core.chunked_scheduler import ChunkedScheduler
-from omnistage.core.one_shot_scheduler import OneShotScheduler
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
 from omnistage.core.spec_decode import SpeculativeConfig
@@ -37,7 +36,6 @@ from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
 from omnistage.worker.model_runner import ModelRunner
 from omnistage.worker.chunked_runner import ChunkedRunner
-from omnistage.worker.one_shot_runner import OneShotRunner
 
 if TYPE_CHECKING:
     from omnistage.worker.mm.remote_encoder import RemoteEncoderPool
@@ -78,8 +76,7 @@ class StageEngine:
     """Input processing + scheduler + model runner + output processing for one stage.
 
     An autoregressive stage runs the paged, prefix-cached ``Scheduler`` and
-    the ``ModelRunner``; a one-shot stage (``StageSpec.kind``) the
-    ``OneShotScheduler`` and ``OneShotRunner``; a chunked stage the
+    the ``ModelRunner``; a chunked stage (``StageSpec.kind``, a vocoder) the
     ``ChunkedScheduler`` and ``ChunkedRunner``. A multimodal checkpoint
     (Qwen2.5-VL, Qwen2.5-Omni thinker) also gets its ``MultiModalProcessor``
     (prompts with ``multi_modal_data``) and an encoder budget sized from the
@@ -107,17 +104,13 @@ class StageEngine:
         self.num_generated_tokens = 0
         self.eos_token_ids = list(getattr(loaded_model, "eos_token_ids", None) or [])
         self.remote_encoder: RemoteEncoderPool | None = None  # encoder workers (EPD), multimodal stages only
-        self.scheduler: Scheduler | OneShotScheduler | ChunkedScheduler
-        self.runner: ModelRunner | OneShotRunner | ChunkedRunner
-        if spec.kind in ("one_shot", "chunked"):
+        self.scheduler: Scheduler | ChunkedScheduler
+        self.runner: ModelRunner | ChunkedRunner
+        if spec.kind == "chunked":
             self.vocab_size = self.max_model_len = self.num_kv_blocks = 0
             self.input_processor, self.input_modalities = spec.input_processor, frozenset()
-            if spec.kind == "one_shot":
-                self.scheduler = OneShotScheduler(spec.max_requests_per_step)
-                self.runner = OneShotRunner(loaded_model.model)
-            else:
-                self.scheduler = ChunkedScheduler(spec.max_requests_per_step)
-                self.runner = ChunkedRunner(loaded_model.model)
+            self.scheduler = ChunkedScheduler(spec.max_requests_per_step)
+            self.runner = ChunkedRunner(loaded_model.model)
         else:
             self._build_autoregressive(args, loaded_model, spec)
 
