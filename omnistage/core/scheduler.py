@@ -313,21 +313,14 @@ class Scheduler:
     def can_speculate(self, request: Request) -> bool:
         """Whether the verifier handles this request's parameters exactly.
 
-        Speculation is only for requests whose logits rules do not depend on
-        the position inside the step: no penalties (they read the tokens
-        before each position), no ``min_tokens`` still holding stop ids back,
-        no logprobs (one entry per token would be needed), and no model
-        inputs beyond token ids (payloads, per-token outputs for a later
-        stage). The others decode one token a step as without speculation.
+        Penalties and ``min_tokens`` are verified exactly (each draft
+        position's rules read the drafts before it, as if decoded one by
+        one). Not yet: logprobs (one entry per emitted token would be
+        needed) and model inputs beyond token ids (payloads, per-token
+        outputs for a later stage). Those decode one token a step as without
+        speculation.
         """
-        sp = request.sampling_params
-        return (
-            request.payload is None
-            and not request.return_hidden_states
-            and sp.logprobs is None
-            and not sp.has_penalties
-            and request.num_output_tokens >= sp.min_tokens
-        )
+        return request.payload is None and not request.return_hidden_states and request.sampling_params.logprobs is None
 
     def _allocate_drafts(self) -> dict[str, int]:
         """The draft policy's split of this step's drafts over the running requests that decode."""

@@ -276,21 +276,51 @@ def test_small_budget_and_context_length_cap_drafts(copying):
     _assert_held_nothing(engine)
 
 
-def test_unsupported_params_decode_without_drafts(copying):
-    """Penalties, logprobs and pending min_tokens fall back to plain decoding (same outputs)."""
+def test_logprobs_decode_without_drafts(copying):
+    """Logprobs fall back to plain decoding (same outputs, same logprobs)."""
     loaded, _ = copying("llama", 0.0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    off = run_all(make_engine(loaded), [REPEATING], params)
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    on = run_all(engine, [REPEATING], params)
+    assert _token_ids(on) == _token_ids(off)
+    assert on[0].outputs[0].logprobs == off[0].outputs[0].logprobs
+    assert engine.get_stats().num_draft_tokens == 0
+    _assert_held_nothing(engine)
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.01])
+def test_penalties_and_min_tokens_verify_exactly(factor, copying):
+    """Each draft position's penalties count the drafts before it, and min_tokens
+    holds stop ids back per position: outputs equal speculation off (and
+    transformers' processors for the repetition penalty), with drafts accepted."""
+    loaded, hf = copying("llama", factor)
+    prompt = _in_cycle(loaded)
+    cycle = _token_ids(run_all(make_engine(loaded), [prompt], SamplingParams(temperature=0.0, max_tokens=8)))[0]
+    stop = cycle[2]  # met early in the cycle: min_tokens must hold it back at every position
     params = [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, frequency_penalty=1.0),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, min_tokens=7, stop_token_ids=[stop]),
+        SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=3, repetition_penalty=1.1, min_tokens=5),
     ]
-    prompts = [REPEATING] * 3
-    off = run_all(make_engine(loaded), prompts, params)
+    prompts = [prompt] * len(params)
+    off = _token_ids(run_all(make_engine(loaded), prompts, params))
     engine = make_engine(loaded, speculative_config=NGRAM)
     on = run_all(engine, prompts, params)
-    assert _token_ids(on) == _token_ids(off)
-    assert on[1].outputs[0].logprobs == off[1].outputs[0].logprobs
-    assert engine.get_stats().num_draft_tokens == 0
+    assert _token_ids(on) == off[:4] + [_token_ids(on)[4]]  # greedy rows: identical
+    ids = prompt["prompt_token_ids"]
+    assert off[0] == hf_greedy(hf, ids, 16, repetition_penalty=1.5)
+    # min_tokens mattered: without it the stop id ends the output at its third token.
+    assert stop not in on[3].outputs[0].token_ids[:7]
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop])
+    assert _token_ids(run_all(engine, [prompt], plain, prefix="plain-")) == [cycle[:3]]
+    per_request = [o.metrics.num_accepted_tokens for o in on]
+    assert engine.get_stats().num_draft_tokens > 0 and sum(per_request[:4]) > 0
+    # One at a time too (the greedy rows), where no other request shares the step.
+    for i in range(4):
+        assert _token_ids(run_all(engine, [prompt], params[i], prefix=f"solo{i}-")) == [off[i]]
     _assert_held_nothing(engine)
 
 
