@@ -46,9 +46,12 @@ from itertools import pairwise
 
 # (tokens in the step, its time / a one-token decode step's), measured by
 # benchmarks/bench_spec.py on the embedded default model (CPU, fp32, lean
-# decoder, native int8 kernels): 2 rows stay on the kernels' small-row
-# paths, 3+ rows do not. Overridable per engine (``DraftPolicy(step_cost=...)``).
-DEFAULT_STEP_COST_POINTS = ((1, 1.0), (2, 1.34), (3, 2.7), (9, 3.9), (72, 18.0))
+# decoder, native int8 kernels, a loaded 2-core machine, so rounded): at
+# batch 1, 2 rows stay on the kernels' small-row paths and 3+ rows cost
+# about 2-3 decode steps; from T = 9 on, the slope keeps the ratios a batch
+# of 8 measured (8 drafts 1.47x its decode step, 64 drafts 4.1x). Only
+# ratios cost(B + m) / cost(B) matter. Overridable per engine (``DraftPolicy(step_cost=...)``).
+DEFAULT_STEP_COST_POINTS = ((1, 1.0), (2, 1.3), (3, 2.2), (9, 3.3), (16, 4.8), (72, 13.3))
 # Drafting must promise this much more tokens per unit time than plain decoding:
 # a margin for the model's error, so a mispredicted step costs little.
 DEFAULT_MIN_GAIN = 1.05
