@@ -349,17 +349,18 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             k = min(k, max_tokens - request.num_output_tokens - 1)
-        if k < 1:
-            return []
+        policy, state = self.draft_policy, request.draft_state
+        assert policy is not None
+        worth = self._worth_drafting.get(request.request_id, 0)
+        if k < 1 or (worth == 0 and state.shadow):
+            return []  # nothing to verify, and the shadow is still scoring an earlier proposal
         proposal = propose_ngram(
             request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids
         )
-        policy, state = self.draft_policy, request.draft_state
-        assert policy is not None
         # The whole proposal is scored against the tokens that follow, verified or not
         # (free for a plain-Python proposer, and not cut short by the verified length).
         policy.shadow(state, proposal)
-        return proposal[: self._worth_drafting.get(request.request_id, 0)]
+        return proposal[:worth]
 
     def _schedule_encoder_inputs(
         self, request: Request, start: int, num_new_tokens: int
