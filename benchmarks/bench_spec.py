@@ -69,15 +69,9 @@ COPY_TASKS = [
     lambda i: (
         f"Rewrite this JSON object with the city changed to Paris. Output only the JSON.\n{_JSON % ('Lyon' + str(i))}"
     ),
-    lambda i: (
-        f"Fix the typos in this paragraph and output the corrected paragraph ({i}):\n{_TYPOS}"
-    ),
-    lambda i: (
-        f"Copy the sentences of this text that mention the river, one per line ({i}):\n{_STORY}"
-    ),
-    lambda i: (
-        f"Rename the variable total to amount in this function and output the whole function ({i}):\n{_FUNC}"
-    ),
+    lambda i: f"Fix the typos in this paragraph and output the corrected paragraph ({i}):\n{_TYPOS}",
+    lambda i: f"Copy the sentences of this text that mention the river, one per line ({i}):\n{_STORY}",
+    lambda i: f"Rename the variable total to amount in this function and output the whole function ({i}):\n{_FUNC}",
 ]
 CHAT_TOPICS = [
     "the sea", "a lighthouse", "autumn leaves", "a robot", "the moon", "a small village", "coffee", "mountains",
@@ -87,20 +81,15 @@ CHAT_TOPICS = [
 def prompts_for(engine: LLMEngine, kind: str, batch: int, rep: int) -> list[dict]:
     """``batch`` chat prompts of a workload; each repetition asks slightly differently (no cross-run hits)."""
     if kind == "copy":
-        texts = [
-            COPY_TASKS[(i + rep) % len(COPY_TASKS)](rep * 16 + i) for i in range(batch)
-        ]
+        texts = [COPY_TASKS[(i + rep) % len(COPY_TASKS)](rep * 16 + i) for i in range(batch)]
     else:
         texts = [
-            f"Write a short story about {CHAT_TOPICS[(i + rep) % len(CHAT_TOPICS)]} (#{rep})."
-            for i in range(batch)
+            f"Write a short story about {CHAT_TOPICS[(i + rep) % len(CHAT_TOPICS)]} (#{rep})." for i in range(batch)
         ]
     return [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
-def run(
-    engine: LLMEngine, prompts: list[dict], params: SamplingParams, tag: str
-) -> tuple[float, list]:
+def run(engine: LLMEngine, prompts: list[dict], params: SamplingParams, tag: str) -> tuple[float, list]:
     """Decode tokens/s (see the module docstring) and the finished outputs in prompt order."""
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
@@ -119,14 +108,8 @@ def verify_cost(engine: LLMEngine, batch: int, steps: int, reps: int) -> list[fl
     sched = engine.scheduler
     forced = {"k": 0}
 
-    def propose(
-        request, n, budget
-    ):  # every draft the token just emitted: (almost) always rejected
-        if (
-            n != 1
-            or request.num_computed_tokens != request.num_tokens - 1
-            or not forced["k"]
-        ):
+    def propose(request, n, budget):  # every draft the token just emitted: (almost) always rejected
+        if n != 1 or request.num_computed_tokens != request.num_tokens - 1 or not forced["k"]:
             return []
         return [request.all_token_ids[-1]] * forced["k"]
 
@@ -137,9 +120,7 @@ def verify_cost(engine: LLMEngine, batch: int, steps: int, reps: int) -> list[fl
         for k in range(9):
             forced["k"] = k
             prompts = [
-                engine.encode_chat(
-                    [{"role": "user", "content": f"Tell me about {t} ({r}, {k})."}]
-                )
+                engine.encode_chat([{"role": "user", "content": f"Tell me about {t} ({r}, {k})."}])
                 for t in CHAT_TOPICS[:batch]
             ]
             for i, p in enumerate(prompts):
@@ -190,9 +171,7 @@ def main() -> None:
     off = LLMEngine(EngineArgs(), loaded_model=loaded)
     on = LLMEngine(EngineArgs(speculative_config=NGRAM), loaded_model=loaded)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
-    warm = [
-        off.encode_chat([{"role": "user", "content": f"Say hi #{i}"}]) for i in range(2)
-    ]
+    warm = [off.encode_chat([{"role": "user", "content": f"Say hi #{i}"}]) for i in range(2)]
     for eng in (off, on):
         run(
             eng,
@@ -213,13 +192,9 @@ def main() -> None:
                 for spec in order:
                     eng = on if spec else off
                     tps[spec].append(0.0)
-                    tps[spec][-1], got[spec] = run(
-                        eng, prompts, params, f"{kind}{batch}-{r}-{int(spec)}"
-                    )
+                    tps[spec][-1], got[spec] = run(eng, prompts, params, f"{kind}{batch}-{r}-{int(spec)}")
                 ratios.append(tps[True][-1] / tps[False][-1])
-                same &= [o.outputs[0].token_ids for o in got[True]] == [
-                    o.outputs[0].token_ids for o in got[False]
-                ]
+                same &= [o.outputs[0].token_ids for o in got[True]] == [o.outputs[0].token_ids for o in got[False]]
                 for o in got[True]:
                     m = o.metrics
                     drafts, accepted, runs = (
@@ -228,9 +203,7 @@ def main() -> None:
                         runs + m.num_drafts,
                     )
                     tokens += len(o.outputs[0].token_ids)
-            rows.append(
-                (kind, batch, tps, ratios, same, drafts, accepted, runs, tokens)
-            )
+            rows.append((kind, batch, tps, ratios, same, drafts, accepted, runs, tokens))
 
     cost_steps, cost_reps = (6, 1) if args.quick else (12, 2)
     costs = {b: verify_cost(on, b, cost_steps, cost_reps) for b in (1, 8)}
@@ -238,9 +211,7 @@ def main() -> None:
 
     print(f"\nngram speculative decoding vs off, {loaded.name}, {torch.get_num_threads()} threads, "
           f"{new_tokens} new tokens, {reps} interleaved pairs; k_max={NGRAM['num_speculative_tokens']}")  # fmt: skip
-    print(
-        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-min; {os.cpu_count()} CPUs)"
-    )
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-min; {os.cpu_count()} CPUs)")
     head = f"{'workload':<9}{'batch':>6}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>8}{'spread':>14}{'target':>8}  ok"
     print(head + f"{'accept':>8}{'mean len':>9}{'drafted/tok':>12}  same tokens")
     for kind, batch, tps, ratios, same, drafts, accepted, runs, tokens in rows:
@@ -253,32 +224,16 @@ def main() -> None:
             f"{ratio:>7.2f}x{f'{min(ratios):.2f}..{max(ratios):.2f}':>14}{'>=' + str(target):>8}  "
             f"{'yes' if ratio >= target else 'NO':<3}{rate:>8}{mean_len:>9}{drafts / max(tokens, 1):>12.2f}  {same}"
         )
-    print(
-        "accept = accepted / verified drafts; mean len = tokens emitted per verify run (1 + accepted / runs)"
-    )
+    print("accept = accepted / verified drafts; mean len = tokens emitted per verify run (1 + accepted / runs)")
     print("\nverify cost: step time with k drafts / a one-token decode step (medians)")
-    print(
-        f"{'batch':<7}"
-        + "".join(f"{'k=' + str(k):>7}" for k in range(1, 9))
-        + f"{'fit c':>8}{'1-step ms':>11}"
-    )
+    print(f"{'batch':<7}" + "".join(f"{'k=' + str(k):>7}" for k in range(1, 9)) + f"{'fit c':>8}{'1-step ms':>11}")
     for b, t in costs.items():
         rel = [t[k] / t[0] for k in range(1, 9)]
         # step(T) = 1 + c*T with T = b*(1+k): rel(k) = (1 + c*b*(1+k)) / (1 + c*b), least squares on c.
-        fits = [
-            (r - 1) / (b * k - (r - 1) * b)
-            for k, r in zip(range(1, 9), rel)
-            if b * k - (r - 1) * b > 0
-        ]
+        fits = [(r - 1) / (b * k - (r - 1) * b) for k, r in zip(range(1, 9), rel) if b * k - (r - 1) * b > 0]
         c = statistics.median(fits) if fits else float("nan")
-        print(
-            f"{b:<7}"
-            + "".join(f"{r:>7.2f}" for r in rel)
-            + f"{c:>8.3f}{t[0] * 1000:>11.1f}"
-        )
-    print(
-        "(fit c: per-token cost in units of a step's fixed cost; the draft policy's token_cost)"
-    )
+        print(f"{b:<7}" + "".join(f"{r:>7.2f}" for r in rel) + f"{c:>8.3f}{t[0] * 1000:>11.1f}")
+    print("(fit c: per-token cost in units of a step's fixed cost; the draft policy's token_cost)")
 
 
 if __name__ == "__main__":

@@ -116,9 +116,7 @@ class DraftPolicy:
         min_gain: float | None = None,
     ) -> None:
         self.max_k = max_k
-        self.step_cost = (
-            step_cost if step_cost is not None else StepCost(DEFAULT_STEP_COST_POINTS)
-        )
+        self.step_cost = step_cost if step_cost is not None else StepCost(DEFAULT_STEP_COST_POINTS)
         self.decay = decay
         self.min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
 

@@ -44,17 +44,10 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
     linear = DraftPolicy(max_k=8, step_cost=StepCost.linear(0.05))
     state = DraftState(accepted=6.0, rejected=4.0)  # a = 0.6
     ks = [linear.num_drafts(state, b) for b in (1, 8, 64)]
-    assert (
-        ks[0] > ks[1] > ks[2]
-    )  # the fixed cost is shared by more decodes: drafts must be better
+    assert ks[0] > ks[1] > ks[2]  # the fixed cost is shared by more decodes: drafts must be better
     free = DraftPolicy(max_k=4, step_cost=StepCost(((1, 1.0), (2, 1.0))), min_gain=1.0)
     assert free.num_drafts(DraftState(accepted=0.01), 16) == 4
-    assert (
-        DraftPolicy(max_k=4, step_cost=StepCost.linear(100.0)).num_drafts(
-            DraftState(accepted=9.0)
-        )
-        == 0
-    )
+    assert DraftPolicy(max_k=4, step_cost=StepCost.linear(100.0)).num_drafts(DraftState(accepted=9.0)) == 0
     # Requests differ: the better one gets the drafts; caps are respected.
     good, bad = (
         DraftState(accepted=9.0, rejected=1.0),
@@ -62,8 +55,7 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
     )
     assert (
         linear.allocate([bad, good, good], [8, 8, 2]) == [0, 8, 2]
-        or linear.allocate([bad, good, good], [8, 8, 2])[0]
-        < linear.allocate([bad, good, good], [8, 8, 2])[1]
+        or linear.allocate([bad, good, good], [8, 8, 2])[0] < linear.allocate([bad, good, good], [8, 8, 2])[1]
     )
     # The default curve: 3+ rows cost a step of about three decodes, so a = 0.5 drafts one token only.
     assert DraftPolicy(max_k=8).num_drafts(DraftState()) == 1
@@ -93,9 +85,7 @@ def test_shadow_scores_a_proposal_against_the_tokens_that_follow():
 
 
 def test_random_text_stops_drafting_with_identical_outputs(copying):  # noqa: F811 (the imported fixture)
-    loaded, _ = copying(
-        "qwen2", 1.0
-    )  # plain random weights: drafts are almost always rejected
+    loaded, _ = copying("qwen2", 1.0)  # plain random weights: drafts are almost always rejected
     prompts = PROMPTS[:3]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     off = _ids(run_all(make_engine(loaded), prompts, params))
@@ -110,9 +100,7 @@ def test_random_text_stops_drafting_with_identical_outputs(copying):  # noqa: F8
     outs = run_all(adaptive, prompts, params)
     assert _ids(outs) == off
     a, b = always.get_stats(), adaptive.get_stats()
-    assert (
-        a.num_accepted_tokens <= a.num_draft_tokens // 4
-    )  # the workload: low acceptance
+    assert a.num_accepted_tokens <= a.num_draft_tokens // 4  # the workload: low acceptance
     assert b.num_draft_tokens * 3 < a.num_draft_tokens  # far fewer drafts verified
     assert b.num_drafts < 0.5 * sum(len(t) for t in off)  # most steps decode one token
     # Each request stopped: its late steps draft nothing (shadow only).
@@ -121,9 +109,7 @@ def test_random_text_stops_drafting_with_identical_outputs(copying):  # noqa: F8
 
 
 def test_copying_text_keeps_full_drafts(copying):  # noqa: F811 (the imported fixture)
-    loaded, _ = copying(
-        "llama", 0.0
-    )  # bigram model inside its cycle: drafts are accepted
+    loaded, _ = copying("llama", 0.0)  # bigram model inside its cycle: drafts are accepted
     prompt = _in_cycle(loaded)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     off_engine = make_engine(loaded)
@@ -178,9 +164,7 @@ def test_shadow_brings_drafting_back(copying):  # noqa: F811 (the imported fixtu
     while engine.has_unfinished_requests():
         engine.step()
         drafted.append(req.num_drafts)
-    assert (
-        drafted[0] == 0 and drafted[-1] > 0
-    )  # off at first, back on from the shadow's evidence
+    assert drafted[0] == 0 and drafted[-1] > 0  # off at first, back on from the shadow's evidence
 
 
 # -- metrics ------------------------------------------------------------------------
@@ -202,16 +186,11 @@ def test_metrics_per_request_totals_and_prometheus(copying):  # noqa: F811 (the 
     assert stats.num_accepted_tokens == sum(m.num_accepted_tokens for m in per_req) > 0
     # Per position: non-increasing (a draft is kept only after its predecessors), summing to the total.
     pos = stats.num_accepted_tokens_per_pos
-    assert (
-        len(pos) == NGRAM["num_speculative_tokens"]
-        and sum(pos) == stats.num_accepted_tokens
-    )
+    assert len(pos) == NGRAM["num_speculative_tokens"] and sum(pos) == stats.num_accepted_tokens
     assert list(pos) == sorted(pos, reverse=True) and pos[0] <= stats.num_drafts
     for m in per_req:
         assert m.mean_acceptance_length == 1 + m.num_accepted_tokens / m.num_drafts
-    assert (
-        stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / stats.num_drafts
-    )
+    assert stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / stats.num_drafts
     text = ServerMetrics().render(normalize_engine_stats(stats))
     samples = {}
     for line in text.splitlines():
@@ -219,27 +198,12 @@ def test_metrics_per_request_totals_and_prometheus(copying):  # noqa: F811 (the 
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     assert samples["omnistage:spec_decode_num_drafts_total"] == stats.num_drafts
-    assert (
-        samples["omnistage:spec_decode_num_draft_tokens_total"]
-        == stats.num_draft_tokens
-    )
-    assert (
-        samples["omnistage:spec_decode_num_accepted_tokens_total"]
-        == stats.num_accepted_tokens
-    )
+    assert samples["omnistage:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert samples["omnistage:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
     for i, v in enumerate(pos):
-        assert (
-            samples[
-                f'omnistage:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'
-            ]
-            == v
-        )
+        assert samples[f'omnistage:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] == v
     # Speculation off: zero counters, no positions.
-    off = ServerMetrics().render(
-        normalize_engine_stats(make_engine(loaded).get_stats())
-    )
-    assert (
-        "omnistage:spec_decode_num_drafts_total 0" in off and 'position="0"' not in off
-    )
+    off = ServerMetrics().render(normalize_engine_stats(make_engine(loaded).get_stats()))
+    assert "omnistage:spec_decode_num_drafts_total 0" in off and 'position="0"' not in off
     assert per_req[0].draft_acceptance_rate is not None
     assert make_engine(loaded).get_stats().mean_acceptance_length is None
