@@ -21,8 +21,10 @@ ratios, with their min..max spread; ``uptime`` load is printed before and
 after. Decode tokens/s counts the tokens after each request's first over
 the time from the last first token to the last finish.
 
-Run: ``python benchmarks/bench_spec.py`` (``--quick`` for a smaller run,
-``--threads 1`` on a loaded shared machine).
+Run: ``python benchmarks/bench_spec.py`` (``--quick`` for a smaller run: its
+32 tokens are mostly the draft policy's shadow warm-up, so the copy rows read
+low there; the targets are for the full run; ``--threads 1`` on a loaded
+shared machine).
 """
 
 from __future__ import annotations
