@@ -30,10 +30,16 @@ class RequestMetrics:
     # Speculative decoding, over the request's completions (0 when it is off).
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # of which accepted
+    num_drafts: int = 0  # verify runs (steps that verified drafts)
 
     @property
     def draft_acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify run (accepted drafts + the target's token), vLLM's definition."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnistage.core.spec_policy import DraftState
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.sampling_params import SamplingParams
 
@@ -77,6 +78,9 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
+    num_drafts: int = 0  # steps that verified drafts
+    # Acceptance record the draft policy sizes this request's drafts by (core/spec_policy.py).
+    draft_state: DraftState = field(default_factory=DraftState)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -15,6 +15,7 @@ from omnistage.core.kv_cache_utils import update_block_hashes
 from omnistage.core.request import Request, RequestStatus
 from omnistage.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from omnistage.core.spec_decode import propose_ngram, take_worker_drafts
+from omnistage.core.spec_policy import DraftPolicy
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.core.runner_output import ModelRunnerOutput
 
@@ -30,6 +31,9 @@ class SchedulerStats:
     num_preemptions: int
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_tokens: int = 0  # of which accepted
+    num_drafts: int = 0  # verify runs (a request's drafts in one step)
+    # Accepted drafts by position in their run (index 0 = first draft); vLLM's per-position counter.
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -81,6 +85,10 @@ class Scheduler:
     covers, when the pool has it free, the ``k - 1`` slots the drafter writes
     past the last verified token; its encoder plan looks one position ahead
     (see ``EncoderScheduler``).
+    With n-gram proposals, how many drafts a request gets is ``DraftPolicy``'s call (its measured
+    acceptance against the step's verify cost, see ``core/spec_policy.py``):
+    open-ended text stops drafting, and its proposals are scored in the
+    shadow until it copies again.
 
     Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
     window may shrink to stop before an item that cannot be encoded this
@@ -105,6 +113,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_drafts = 0
+        self._worth_drafting: dict[str, int] = {}  # this step's drafts per request, the policy's allocation
+        spec = config.speculative_config
+        # The n-gram method's per-request policy (a worker drafter proposes its configured k).
+        self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None and not spec.uses_drafter else None
+        self.accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         self.encoder: EncoderScheduler | None = None
         if config.encoder_cache_size > 0:
             manager = EncoderCacheManager(config.encoder_cache_size, config.retain_encoder_outputs)
@@ -226,6 +240,7 @@ class Scheduler:
             self.encoder.begin_pass()
 
         # 1. Running requests: decodes and the next chunk of unfinished prefills.
+        self._worth_drafting = self._allocate_drafts()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -315,21 +330,29 @@ class Scheduler:
     def can_speculate(self, request: Request) -> bool:
         """Whether the verifier handles this request's parameters exactly.
 
-        Speculation is only for requests whose logits rules do not depend on
-        the position inside the step: no penalties (they read the tokens
-        before each position), no ``min_tokens`` still holding stop ids back,
-        no logprobs (one entry per token would be needed), and no model
-        inputs beyond token ids (payloads). Per-token outputs for a later
-        stage are fine: the worker returns and caches the verified tokens'
-        rows only. The others decode one token a step as without speculation.
+        Penalties and ``min_tokens`` are verified exactly (each draft
+        position's rules read the drafts before it, as if decoded one by
+        one), and per-token outputs for a later stage are fine (the worker
+        returns and caches the verified tokens' rows only). Not yet: logprobs
+        (one entry per emitted token would be needed) and model inputs beyond
+        token ids (payloads). Those decode one token a step as without
+        speculation.
         """
-        sp = request.sampling_params
-        return (
-            request.payload is None
-            and sp.logprobs is None
-            and not sp.has_penalties
-            and request.num_output_tokens >= sp.min_tokens
-        )
+        return request.payload is None and request.sampling_params.logprobs is None
+
+    def _allocate_drafts(self) -> dict[str, int]:
+        """The draft policy's split of this step's drafts over the running requests that decode."""
+        policy = self.draft_policy
+        if policy is None:
+            return {}
+        decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+        caps = []
+        for r in decoding:
+            left = r.sampling_params.max_tokens
+            cap = policy.max_k if left is None else min(policy.max_k, left - r.num_output_tokens - 1)
+            caps.append(cap if self.can_speculate(r) else 0)
+        ks = policy.allocate([r.draft_state for r in decoding], caps)
+        return {r.request_id: k for r, k in zip(decoding, ks) if k}
 
     def _propose(self, request: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for a decode step (``n == 1``, the last known token
@@ -346,12 +369,21 @@ class Scheduler:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         if k < 1:
             return []
-        if cfg.uses_drafter:
+        if cfg.uses_drafter:  # what the worker's drafter proposed after the request's last step
             proposal, request.draft_token_ids = request.draft_token_ids, []
             return take_worker_drafts(proposal, k, cfg.banned_token_ids)
-        return propose_ngram(
+        policy, state = self.draft_policy, request.draft_state
+        assert policy is not None
+        worth = self._worth_drafting.get(request.request_id, 0)
+        if worth == 0 and state.shadow:
+            return []  # nothing to verify, and the shadow is still scoring an earlier proposal
+        proposal = propose_ngram(
             request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids
         )
+        # The whole proposal is scored against the tokens that follow, verified or not
+        # (free for a plain-Python proposer, and not cut short by the verified length).
+        policy.shadow(state, proposal)
+        return proposal[:worth]
 
     def _num_drafts(self, request: Request) -> int:
         """How many tokens a worker drafter proposes for ``request`` after this step
@@ -471,10 +503,7 @@ class Scheduler:
                     )
                 # The rejected drafts' KV is garbage: the next step recomputes from there.
                 request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
-                request.num_draft_tokens += len(drafts)
-                request.num_accepted_tokens += len(tokens) - 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += len(tokens) - 1
+                self._count_drafts(request, len(drafts), len(tokens) - 1)
             kv.cache_blocks(request, request.num_computed_tokens)  # their KV exists now
             if self.encoder is not None:
                 self.encoder.free_computed(request)
@@ -496,6 +525,8 @@ class Scheduler:
                 status = request.check_stop(self.max_len(request))
                 if status is not None:
                     break
+            if self.draft_policy is not None:
+                self.draft_policy.observe_tokens(request.draft_state, tokens)
             if self.config.enable_prefix_caching:
                 update_block_hashes(request, self.block_size)
             if status is not None:
@@ -507,6 +538,17 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.finished]
         return updated
+
+    def _count_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """One verified run's counts: the request's and the totals (the metrics)."""
+        request.num_drafts += 1
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
 
     # -- introspection -------------------------------------------------------
 
@@ -522,6 +564,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            num_drafts=self.num_drafts,
+            num_accepted_tokens_per_pos=tuple(self.accepted_per_pos),
         )
 
     def reset_prefix_cache(self) -> None:

@@ -115,6 +115,7 @@ class RequestState:
         self.metrics.first_scheduled_time = first.request.first_scheduled_time
         self.metrics.num_draft_tokens = sum(c.request.num_draft_tokens for c in self.completions)
         self.metrics.num_accepted_tokens = sum(c.request.num_accepted_tokens for c in self.completions)
+        self.metrics.num_drafts = sum(c.request.num_drafts for c in self.completions)
         out = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

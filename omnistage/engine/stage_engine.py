@@ -61,6 +61,16 @@ class EngineStats:
     # Speculative decoding (0 when it is off): drafts verified, and of which accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_drafts: int = 0  # verify runs
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted drafts by position in their run
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -429,6 +439,8 @@ class StageEngine:
             num_steps=self.num_steps,
             num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
+            num_drafts=s.num_drafts,
+            num_accepted_tokens_per_pos=s.num_accepted_tokens_per_pos,
         )
 
     # -- text helpers ----------------------------------------------------------

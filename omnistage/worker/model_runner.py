@@ -519,7 +519,9 @@ class ModelRunner:
         spec_drafts = [drafts[r] for r in spec_ids]
         rep_ids = [r for r, d in zip(spec_ids, spec_drafts) for _ in range(len(d) + 1)]
         rep_rows = np.fromiter((batch.req_id_to_index[r] for r in rep_ids), dtype=np.int64, count=len(rep_ids))
-        md = self.sampling_state.metadata(batch, rep_rows, rep_ids)
+        # Position j of a request's run verifies as if its drafts before j were decoded.
+        drafted = [d[:j] for d in spec_drafts for j in range(len(d) + 1)]
+        md = self.sampling_state.metadata(batch, rep_rows, rep_ids, drafted)
         verify_rows = hidden.index_select(0, torch.tensor(spec_pos, device=self.device))
         greedy_tokens = getattr(self.model, "greedy_token_ids", None)
         if md.plain_greedy and greedy_tokens is not None:  # the same argmax a plain decode takes

@@ -250,9 +250,17 @@ class SamplingState:
         mask[suppressed] = True
         return mask
 
-    def metadata(self, batch: InputBatch, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
+    def metadata(
+        self, batch: InputBatch, rows: np.ndarray, req_ids: list[str], drafted: list[list[int]] | None = None
+    ) -> SamplingMetadata:
         """Metadata for the sampling rows ``rows`` of ``batch`` (batch rows,
-        in logits order; ``req_ids`` are their requests)."""
+        in logits order; ``req_ids`` are their requests).
+
+        ``drafted[i]`` (speculative verification, where a request's row
+        repeats once per draft position) are the tokens taken as emitted
+        before logits row ``i``: its draft tokens before that position. The
+        row's rules then read them as if decoded one by one: min_tokens
+        counts them, penalties count them as output."""
         dev = self.device
         temp = self.temperature[rows]
         greedy = temp == 0.0
@@ -279,6 +287,8 @@ class SamplingState:
         if (num_logprobs >= 0).any():
             md.num_logprobs = num_logprobs.tolist()
         num_output_tokens = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        if drafted is not None:
+            num_output_tokens = num_output_tokens + np.fromiter(map(len, drafted), dtype=np.int64, count=len(rows))
         held = np.flatnonzero(self.min_tokens[rows] > num_output_tokens)
         pairs = [(int(i), t) for i in held for t in self.banned[rows[i]]]
         if pairs:
@@ -287,7 +297,7 @@ class SamplingState:
             md.banned_tokens = torch.tensor(t, dtype=torch.int64, device=dev)
         pen = self.penalized[rows]
         if pen.any():
-            md.penalties = self._penalties(batch, rows, pen)
+            md.penalties = self._penalties(batch, rows, pen, drafted)
         masked = self.masked[rows]
         if masked.any():
             assert self.token_mask is not None
@@ -300,12 +310,24 @@ class SamplingState:
         index = None if on.all() else torch.from_numpy(np.flatnonzero(on)).to(self.device)
         return index, torch.from_numpy(rows[on]).to(self.device)
 
-    def _penalties(self, batch: InputBatch, rows: np.ndarray, pen: np.ndarray) -> PenaltyMetadata:
+    def _penalties(
+        self, batch: InputBatch, rows: np.ndarray, pen: np.ndarray, drafted: list[list[int]] | None
+    ) -> PenaltyMetadata:
         h = self.history
-        h.sync(rows[pen], batch.token_ids_cpu, batch.num_tokens, batch.num_prompt_tokens)
+        # Unique: a verifying request's row repeats, and each of its tokens is counted once.
+        h.sync(np.unique(rows[pen]), batch.token_ids_cpu, batch.num_tokens, batch.num_prompt_tokens)
         assert h.output_counts is not None and h.prompt_mask is not None
         index, row_t = self._subset(rows, pen)
         prows = rows[pen]
+        output_counts = h.output_counts.index_select(0, row_t)
+        if drafted is not None:
+            # Each position also counts the drafts before it (its own copy of the row's counts).
+            pairs = [(p, t) for p, i in enumerate(np.flatnonzero(pen).tolist()) for t in drafted[i]]
+            if pairs:
+                at, tokens = zip(*pairs)
+                index_t = (torch.tensor(at, device=self.device), torch.tensor(tokens, device=self.device))
+                ones = torch.ones(len(at), dtype=output_counts.dtype, device=self.device)
+                output_counts.index_put_(index_t, ones, accumulate=True)
 
         def per_row(values: np.ndarray, neutral: float) -> torch.Tensor | None:
             v = values[prows]
@@ -313,7 +335,7 @@ class SamplingState:
 
         return PenaltyMetadata(
             index=index,
-            output_counts=h.output_counts.index_select(0, row_t),
+            output_counts=output_counts,
             prompt_mask=h.prompt_mask.index_select(0, row_t),
             repetition=per_row(self.repetition_penalty, 1.0),
             presence=per_row(self.presence_penalty, 0.0),

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from utils_engine import PROMPTS, assert_pool_clean, hf_greedy, make_engine, run_all
 
+from omnistage.core import spec_policy
 from omnistage.core.spec_decode import SpeculativeConfig, propose_ngram
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.models.loader import load_model
@@ -33,6 +34,14 @@ from omnistage.worker.rejection_sampler import accept_greedy, accept_random
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 REPEATING = "one two three four one two three four one two three four one two"
+
+
+@pytest.fixture(autouse=True)
+def always_draft(monkeypatch):
+    """These tests check verification, rollback and caching, so every proposal is verified
+    at full length: a free verify step for the draft policy (tested in test_spec_policy.py)."""
+    monkeypatch.setattr(spec_policy, "DEFAULT_STEP_COST_POINTS", ((1, 1.0), (2, 1.0)))
+    monkeypatch.setattr(spec_policy, "DEFAULT_MIN_GAIN", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -267,21 +276,51 @@ def test_small_budget_and_context_length_cap_drafts(copying):
     _assert_held_nothing(engine)
 
 
-def test_unsupported_params_decode_without_drafts(copying):
-    """Penalties, logprobs and pending min_tokens fall back to plain decoding (same outputs)."""
+def test_logprobs_decode_without_drafts(copying):
+    """Logprobs fall back to plain decoding (same outputs, same logprobs)."""
     loaded, _ = copying("llama", 0.0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    off = run_all(make_engine(loaded), [REPEATING], params)
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    on = run_all(engine, [REPEATING], params)
+    assert _token_ids(on) == _token_ids(off)
+    assert on[0].outputs[0].logprobs == off[0].outputs[0].logprobs
+    assert engine.get_stats().num_draft_tokens == 0
+    _assert_held_nothing(engine)
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.01])
+def test_penalties_and_min_tokens_verify_exactly(factor, copying):
+    """Each draft position's penalties count the drafts before it, and min_tokens
+    holds stop ids back per position: outputs equal speculation off (and
+    transformers' processors for the repetition penalty), with drafts accepted."""
+    loaded, hf = copying("llama", factor)
+    prompt = _in_cycle(loaded)
+    cycle = _token_ids(run_all(make_engine(loaded), [prompt], SamplingParams(temperature=0.0, max_tokens=8)))[0]
+    stop = cycle[2]  # met early in the cycle: min_tokens must hold it back at every position
     params = [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, frequency_penalty=1.0),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, min_tokens=7, stop_token_ids=[stop]),
+        SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=3, repetition_penalty=1.1, min_tokens=5),
     ]
-    prompts = [REPEATING] * 3
-    off = run_all(make_engine(loaded), prompts, params)
+    prompts = [prompt] * len(params)
+    off = _token_ids(run_all(make_engine(loaded), prompts, params))
     engine = make_engine(loaded, speculative_config=NGRAM)
     on = run_all(engine, prompts, params)
-    assert _token_ids(on) == _token_ids(off)
-    assert on[1].outputs[0].logprobs == off[1].outputs[0].logprobs
-    assert engine.get_stats().num_draft_tokens == 0
+    assert _token_ids(on) == off[:4] + [_token_ids(on)[4]]  # greedy rows: identical
+    ids = prompt["prompt_token_ids"]
+    assert off[0] == hf_greedy(hf, ids, 16, repetition_penalty=1.5)
+    # min_tokens mattered: without it the stop id ends the output at its third token.
+    assert stop not in on[3].outputs[0].token_ids[:7]
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop])
+    assert _token_ids(run_all(engine, [prompt], plain, prefix="plain-")) == [cycle[:3]]
+    per_request = [o.metrics.num_accepted_tokens for o in on]
+    assert engine.get_stats().num_draft_tokens > 0 and sum(per_request[:4]) > 0
+    # One at a time too (the greedy rows), where no other request shares the step.
+    for i in range(4):
+        assert _token_ids(run_all(engine, [prompt], params[i], prefix=f"solo{i}-")) == [off[i]]
     _assert_held_nothing(engine)
 
 

@@ -62,7 +62,9 @@ def test_lean_equals_hf_path(tiny):
     lm.use_lean = False
     hf = run_steps(lm, SEQS, SCHEDULE)
     for a, b in zip(lean, hf):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        # 2e-5: the mixed step's few queries per sequence attend by matmul + softmax (like
+        # decode), whose rounding differs from the flash kernel's by ~1e-5 between the paths.
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
 def test_lean_bf16_matches_hf_path_and_greedy_tokens_match_logits(tiny):

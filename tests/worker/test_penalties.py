@@ -256,3 +256,42 @@ def test_allowed_ids_outside_the_vocabulary():
     b.add("a", [1], SamplingParams(temperature=0.0, suppress_token_ids=[V + 3]))
     assert b.state.masked[0] == False  # noqa: E712
     dataclasses.replace(params, allowed_token_ids=[1, V]).check_vocab(V + 1)
+
+
+def test_verify_rows_read_the_drafts_before_their_position():
+    """Speculative verification repeats a request's row once per draft position;
+    position j's penalties and min_tokens count drafts[:j] as emitted, as if
+    the drafts had been decoded one by one."""
+    gen = torch.Generator().manual_seed(1)
+    b = _Batch()
+    params = {
+        "rep": MIXED["rep"],
+        "all": MIXED["all"],
+        "plain": GREEDY,
+        "min": SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7], frequency_penalty=0.4),
+    }
+    for r, p in params.items():
+        b.add(r, torch.randint(0, 12, (6,), generator=gen).tolist(), p, output=[4, 9] if r != "min" else [4])
+    drafts = {"rep": [9, 9, 2], "all": [1, 3], "plain": [5], "min": [7, 8, 7]}
+    req_ids, rows, drafted = [], [], []
+    for r, d in drafts.items():
+        for j in range(len(d) + 1):
+            req_ids.append(r)
+            rows.append(b.batch.req_id_to_index[r])
+            drafted.append(d[:j])
+    logits = torch.randn(len(req_ids), V, generator=gen) * 2
+    logits[:, :12] += 3.0
+    md = b.state.metadata(b.batch, np.array(rows), req_ids, drafted)
+    shaped = _rules(logits, md)
+    for i, r in enumerate(req_ids):
+        ref = _reference(logits[i], b.prompts[r], b.outputs[r] + drafted[i], params[r])
+        assert torch.equal(shaped[i], ref), (r, drafted[i])
+    # min_tokens=3 with one output token: positions 0 and 1 (1 and 2 emitted) hold 7 and EOS back, 2 and 3 not.
+    banned = set(zip(md.banned_rows.tolist(), md.banned_tokens.tolist()))
+    first = req_ids.index("min")
+    assert {(first, 7), (first, EOS), (first + 1, 7), (first + 1, EOS)} <= banned
+    assert not {(first + 2, 7), (first + 3, 7)} & banned
+    # The history itself is unchanged: each known token counted once (rows repeat in the step).
+    again = b.state.metadata(b.batch, np.array([b.batch.req_id_to_index["rep"]]), ["rep"])
+    ref = _reference(logits[0], b.prompts["rep"], b.outputs["rep"], params["rep"])
+    assert torch.equal(_rules(logits[:1], again)[0], ref)

@@ -124,7 +124,7 @@ class ServerMetrics:
         if m.first_token_time is not None and generated > 1:
             self.tpot.observe((m.finished_time - m.first_token_time) / (generated - 1))
 
-    def render(self, engine_stats: dict[str, float], replicas: list[dict[str, float]] | None = None) -> str:
+    def render(self, engine_stats: dict[str, Any], replicas: list[dict[str, float]] | None = None) -> str:
         """The exposition text; ``replicas`` (``replica_loads``) adds one sample per
         data-parallel replica to each ``replica_*`` metric, labelled ``replica``."""
         lines: list[str] = []
@@ -181,6 +181,20 @@ class ServerMetrics:
         ]
         for name, help_ in counters:
             metric(name, "counter", help_, [("", (), float(engine_stats.get(name, 0.0)))])
+        # Speculative decoding, vLLM's spec_decode_* counters (all 0 / no positions when it is off).
+        spec = [
+            ("spec_decode_num_drafts_total", "Verify runs: a request's drafts checked in one step."),
+            ("spec_decode_num_draft_tokens_total", "Draft tokens verified."),
+            ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
+        ]
+        for name, help_ in spec:
+            metric(name, "counter", help_, [("", (), float(engine_stats.get(name, 0.0)))])
+        per_pos = engine_stats.get(PER_POS, ())
+        metric(
+            "spec_decode_num_accepted_tokens_per_pos_total", "counter",
+            "Draft tokens accepted, by position in their run (0 = first draft).",
+            [("", (("position", str(i)),), float(v)) for i, v in enumerate(per_pos)],
+        )
         for name, kind, help_ in _REPLICA_METRICS if replicas else ():
             samples = [("", (("replica", str(int(r["replica"]))),), float(r.get(name, 0.0))) for r in replicas or ()]
             metric(f"replica_{name}", kind, help_, samples)
@@ -219,7 +233,10 @@ def replica_loads(stats: Any) -> list[dict[str, float]]:
     return out
 
 
-def normalize_engine_stats(stats: Any) -> dict[str, float]:
+PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"  # a tuple, one count per draft position
+
+
+def normalize_engine_stats(stats: Any) -> dict[str, Any]:
     """Map ``engine.get_stats()`` (``EngineStats``, or a dict) onto the gauge names above.
 
     Fields are read by name with ``getattr``/``get`` and default to 0, so a
@@ -232,6 +249,9 @@ def normalize_engine_stats(stats: Any) -> dict[str, float]:
         value = stats.get(name, 0.0) if isinstance(stats, dict) else getattr(stats, name, 0.0)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
+    per_pos = stats.get("num_accepted_tokens_per_pos", ()) if isinstance(stats, dict) else getattr(
+        stats, "num_accepted_tokens_per_pos", ()
+    )
     used, total = get("kv_blocks_used"), get("kv_blocks_total")
     queries, hits = get("prefix_cache_query_tokens"), get("prefix_cache_hit_tokens")
     enc_queries, enc_hits = get("encoder_cache_queries"), get("encoder_cache_hits")
@@ -245,4 +265,8 @@ def normalize_engine_stats(stats: Any) -> dict[str, float]:
         "prefix_cache_hits_total": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "encoder_cache_hit_rate": enc_hits / enc_queries if enc_queries else 0.0,
+        "spec_decode_num_drafts_total": get("num_drafts"),
+        "spec_decode_num_draft_tokens_total": get("num_draft_tokens"),
+        "spec_decode_num_accepted_tokens_total": get("num_accepted_tokens"),
+        PER_POS: tuple(float(v) for v in per_pos),
     }

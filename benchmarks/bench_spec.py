@@ -1,0 +1,242 @@
+"""Prompt-lookup speculative decoding against speculation off, on the embedded default model (CPU).
+
+One process, one run, the same loaded weights for both engines (greedy, so
+both emit the same tokens, which is checked):
+
+1. copy-heavy prompts (rewrite a JSON object with one field changed, fix
+   the typos in a paragraph, extract the sentences that mention a word,
+   edit a function): decode tokens/s with ``ngram`` vs off, batch 1 and
+   batch 8 (targets 1.5x and 1.2x);
+2. open-ended chat prompts at batch 1 and 8 (target 0.97x: never a slowdown);
+3. the cost of a step that verifies ``k`` drafts relative to a one-token
+   decode step, ``k = 1..8``, at batch 1 and 8 (drafts forced to a token
+   the model will not emit, so every step emits one token): it sets what
+   speculation can win here, and fits the per-token cost ``c`` of
+   ``core/spec_policy.py``'s model ``step(T) = 1 + c * T``.
+
+Each measurement is repeated ``--repeat`` times with the two sides
+interleaved (alternating which runs first), so a burst of load on a shared
+machine hits both sides of a pair. Ratios are medians of the per-pair
+ratios, with their min..max spread; ``uptime`` load is printed before and
+after. Decode tokens/s counts the tokens after each request's first over
+the time from the last first token to the last finish.
+
+Run: ``python benchmarks/bench_spec.py`` (``--quick`` for a smaller run: its
+32 tokens are mostly the draft policy's shadow warm-up, so the copy rows read
+low there; the targets are for the full run; ``--threads 1`` on a loaded
+shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.stage_engine import LLMEngine
+from omnistage.models.loader import load_model
+from omnistage.sampling_params import SamplingParams
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 8,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+TARGETS = {("copy", 1): 1.5, ("copy", 8): 1.2, ("chat", 1): 0.97, ("chat", 8): 0.97}
+
+_JSON = (
+    '{"name": "Alice Martin", "age": 34, "city": "%s", "email": "alice.martin@example.com", '
+    '"languages": ["English", "French"], "active": true, "team": "data platform"}'
+)
+_TYPOS = (
+    "The quick brown fox jumpd over the lazzy dog. It was a beautifull morning and the sun was "
+    "shinning brightly over the feilds. The farmer walked to the barn to feed the animls, and the "
+    "chickens were already waiting for thier breakfast."
+)
+_STORY = (
+    "Maria opened the bakery at six. The river was quiet that morning. Her brother Tom brought the "
+    "flour from the mill. A storm had closed the river road last week. Customers asked about the river "
+    "festival. Tom said the mill would close early. Maria baked extra bread for the festival."
+)
+_FUNC = (
+    "def total_price(items, tax):\n    total = 0\n    for item in items:\n        total = total + item.price * "
+    "item.quantity\n    total = total * (1 + tax)\n    return total\n"
+)
+COPY_TASKS = [
+    lambda i: (
+        f"Rewrite this JSON object with the city changed to Paris. Output only the JSON.\n{_JSON % ('Lyon' + str(i))}"
+    ),
+    lambda i: f"Fix the typos in this paragraph and output the corrected paragraph ({i}):\n{_TYPOS}",
+    lambda i: f"Copy the sentences of this text that mention the river, one per line ({i}):\n{_STORY}",
+    lambda i: f"Rename the variable total to amount in this function and output the whole function ({i}):\n{_FUNC}",
+]
+CHAT_TOPICS = [
+    "the sea", "a lighthouse", "autumn leaves", "a robot", "the moon", "a small village", "coffee", "mountains",
+]  # fmt: skip
+
+
+def prompts_for(engine: LLMEngine, kind: str, batch: int, rep: int) -> list[dict]:
+    """``batch`` chat prompts of a workload; each repetition asks slightly differently (no cross-run hits)."""
+    if kind == "copy":
+        texts = [COPY_TASKS[(i + rep) % len(COPY_TASKS)](rep * 16 + i) for i in range(batch)]
+    else:
+        texts = [
+            f"Write a short story about {CHAT_TOPICS[(i + rep) % len(CHAT_TOPICS)]} (#{rep})." for i in range(batch)
+        ]
+    return [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def run(engine: LLMEngine, prompts: list[dict], params: SamplingParams, tag: str) -> tuple[float, list]:
+    """Decode tokens/s (see the module docstring) and the finished outputs in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    outs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+    start = max(o.metrics.first_token_time for o in outs)
+    end = max(o.metrics.finished_time for o in outs)
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    return tokens / max(end - start, 1e-9), outs
+
+
+def verify_cost(engine: LLMEngine, batch: int, steps: int, reps: int) -> list[float]:
+    """Seconds per step with ``k`` forced drafts, ``k = 0..8``, medians over ``reps`` interleaved rounds."""
+    sched = engine.scheduler
+    forced = {"k": 0}
+
+    def propose(request, n, budget):  # every draft the token just emitted: (almost) always rejected
+        if n != 1 or request.num_computed_tokens != request.num_tokens - 1 or not forced["k"]:
+            return []
+        return [request.all_token_ids[-1]] * forced["k"]
+
+    sched._propose = propose
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    times: dict[int, list[float]] = {k: [] for k in range(9)}
+    for r in range(reps):
+        for k in range(9):
+            forced["k"] = k
+            prompts = [
+                engine.encode_chat([{"role": "user", "content": f"Tell me about {t} ({r}, {k})."}])
+                for t in CHAT_TOPICS[:batch]
+            ]
+            for i, p in enumerate(prompts):
+                engine.add_request(f"cost{batch}-{r}-{k}-{i}", p, params)
+            engine.step()  # prefill and first token
+            t0, n = time.perf_counter(), 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                n += 1
+            times[k].append((time.perf_counter() - t0) / n)
+    del sched._propose
+    return [statistics.median(times[k]) for k in range(9)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="32 new tokens, 2 repeats, a short cost sweep",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="interleaved pairs per measurement (default 3, quick 2)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's)",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="new tokens per request (default 96, quick 32)",
+    )
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reps = args.repeat or (2 if args.quick else 3)
+    new_tokens = args.max_tokens or (32 if args.quick else 96)
+    load_before = os.getloadavg()
+
+    loaded = load_model(None)
+    off = LLMEngine(EngineArgs(), loaded_model=loaded)
+    on = LLMEngine(EngineArgs(speculative_config=NGRAM), loaded_model=loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    warm = [off.encode_chat([{"role": "user", "content": f"Say hi #{i}"}]) for i in range(2)]
+    for eng in (off, on):
+        run(
+            eng,
+            warm,
+            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            "warm",
+        )
+
+    rows = []
+    for kind in ("copy", "chat"):
+        for batch in (1, 8):
+            tps = {False: [], True: []}
+            ratios, same, drafts, accepted, runs, tokens = [], True, 0, 0, 0, 0
+            for r in range(reps):
+                prompts = prompts_for(off, kind, batch, r)
+                order = (False, True) if r % 2 == 0 else (True, False)
+                got = {}
+                for spec in order:
+                    eng = on if spec else off
+                    tps[spec].append(0.0)
+                    tps[spec][-1], got[spec] = run(eng, prompts, params, f"{kind}{batch}-{r}-{int(spec)}")
+                ratios.append(tps[True][-1] / tps[False][-1])
+                same &= [o.outputs[0].token_ids for o in got[True]] == [o.outputs[0].token_ids for o in got[False]]
+                for o in got[True]:
+                    m = o.metrics
+                    drafts, accepted, runs = (
+                        drafts + m.num_draft_tokens,
+                        accepted + m.num_accepted_tokens,
+                        runs + m.num_drafts,
+                    )
+                    tokens += len(o.outputs[0].token_ids)
+            rows.append((kind, batch, tps, ratios, same, drafts, accepted, runs, tokens))
+
+    cost_steps, cost_reps = (6, 1) if args.quick else (12, 2)
+    costs = {b: verify_cost(on, b, cost_steps, cost_reps) for b in (1, 8)}
+    load_after = os.getloadavg()
+
+    print(f"\nngram speculative decoding vs off, {loaded.name}, {torch.get_num_threads()} threads, "
+          f"{new_tokens} new tokens, {reps} interleaved pairs; k_max={NGRAM['num_speculative_tokens']}")  # fmt: skip
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-min; {os.cpu_count()} CPUs)")
+    head = f"{'workload':<9}{'batch':>6}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>8}{'spread':>14}{'target':>8}  ok"
+    print(head + f"{'accept':>8}{'mean len':>9}{'drafted/tok':>12}  same tokens")
+    for kind, batch, tps, ratios, same, drafts, accepted, runs, tokens in rows:
+        ratio = statistics.median(ratios)
+        target = TARGETS[kind, batch]
+        rate = f"{accepted / drafts:.2f}" if drafts else "-"
+        mean_len = f"{1 + accepted / runs:.2f}" if runs else "-"
+        print(
+            f"{kind:<9}{batch:>6}{statistics.median(tps[False]):>11.1f}{statistics.median(tps[True]):>13.1f}"
+            f"{ratio:>7.2f}x{f'{min(ratios):.2f}..{max(ratios):.2f}':>14}{'>=' + str(target):>8}  "
+            f"{'yes' if ratio >= target else 'NO':<3}{rate:>8}{mean_len:>9}{drafts / max(tokens, 1):>12.2f}  {same}"
+        )
+    print("accept = accepted / verified drafts; mean len = tokens emitted per verify run (1 + accepted / runs)")
+    print("\nverify cost: step time with k drafts / a one-token decode step (medians)")
+    print(f"{'batch':<7}" + "".join(f"{'k=' + str(k):>7}" for k in range(1, 9)) + f"{'fit c':>8}{'1-step ms':>11}")
+    for b, t in costs.items():
+        rel = [t[k] / t[0] for k in range(1, 9)]
+        # step(T) = 1 + c*T with T = b*(1+k): rel(k) = (1 + c*b*(1+k)) / (1 + c*b), least squares on c.
+        fits = [(r - 1) / (b * k - (r - 1) * b) for k, r in zip(range(1, 9), rel) if b * k - (r - 1) * b > 0]
+        c = statistics.median(fits) if fits else float("nan")
+        print(f"{b:<7}" + "".join(f"{r:>7.2f}" for r in rel) + f"{c:>8.3f}{t[0] * 1000:>11.1f}")
+    print("(fit c: per-token cost in units of a step's fixed cost; the draft policy's token_cost)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Speculative decoding, scheduler side: how many drafts each request gets, so speculation pays.
+
+A verified draft costs one more token in the step's forward whether it is
+accepted or not, so drafting pays only while the tokens the drafts are
+expected to add outweigh what they add to the step's time.
+
+Model (plain arithmetic, deterministic, no timing inside the engine):
+
+- Acceptance: draft ``j`` of a run is kept with probability ``a`` given
+  that drafts ``1..j-1`` were (a geometric run), so it is worth ``a**j``
+  expected tokens. ``a`` is estimated per request from decayed counts of
+  kept drafts and of rejections (a run whose drafts were all kept shows no
+  rejection: it was cut by ``k``, not by the model).
+- Cost: ``StepCost``, the time of a step over ``T`` tokens relative to a
+  one-token decode step, piecewise linear through measured points
+  (``benchmarks/bench_spec.py`` prints them; the default is the embedded
+  model's on CPU, where a step of 3+ tokens costs about three decode steps
+  and a batch of 8 pays little more for its drafts than batch 1 does).
+- Each step the ``B`` decoding requests' draft values ``a_i**j`` are
+  sorted, and the step drafts the ``m`` best of them for the ``m`` that
+  maximizes expected tokens per unit time ``(B + sum of the m values) /
+  cost(B + m)``; no drafts unless that beats plain decoding by
+  ``min_gain``. So a low-acceptance request stops drafting, a copying one
+  drafts up to ``k``, and at a larger batch drafts must be better to pay.
+
+Acceptance is measured in the shadow (``shadow`` / ``observe_tokens``):
+each proposal, whole, whether none, some or all of it is verified, is
+compared with the tokens the target then emits, one by one (one proposal
+at a time per request). For greedy requests that is exactly what
+verification keeps; for sampled ones it has the same expectation (a draft
+``d`` is kept with probability ``p(d)``, and the sampled token is ``d``
+with probability ``p(d)``). So a request that stopped drafting notices at
+no cost when its text starts copying again, open-ended text pays nothing
+for being watched, and a run verified short of its proposal still counts
+the rest (a copying request reaches full-length runs after one proposal).
+The proposer is plain Python over the request's tokens (n-gram lookup); a
+drafter whose proposals cost a forward would feed ``observe`` from its
+verified runs and probe instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+# (tokens in the step, its time / a one-token decode step's), measured by
+# benchmarks/bench_spec.py on the embedded default model (CPU, fp32, lean
+# decoder, native int8 kernels, a loaded 2-core machine, so rounded): at
+# batch 1, 2 rows stay on the kernels' small-row paths and 3+ rows cost
+# about 2-3 decode steps; from T = 9 on, the slope keeps the ratios a batch
+# of 8 measured (8 drafts 1.47x its decode step, 64 drafts 4.1x). Only
+# ratios cost(B + m) / cost(B) matter. Overridable per engine (``DraftPolicy(step_cost=...)``).
+DEFAULT_STEP_COST_POINTS = ((1, 1.0), (2, 1.3), (3, 2.2), (9, 3.3), (16, 4.8), (72, 13.3))
+# Drafting must promise this much more tokens per unit time than plain decoding.
+# The cost curve comes from steady runs of verify steps; in real traffic a verify
+# step also leaves the decode fast path (the dense KV view is rebuilt after it),
+# which the curve does not see: at 1.05, bench_spec measured open-ended chat at
+# 0.79x (batch 1) and copy prompts at 0.80x (batch 8) with an idle machine.
+DEFAULT_MIN_GAIN = 1.3
+# Decay of the acceptance counts per observed draft run: about the last ten
+# runs count, so a request that moves from copying to free text adapts in a
+# few steps.
+DEFAULT_DECAY = 0.8
+# Prior counts: an unseen request starts at a = 0.5 (drafts worth trying at
+# batch 1 and at moderate batches) with the weight of two runs.
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
+
+
+@dataclass
+class DraftState:
+    """One request's acceptance record (lives on the ``Request``, freed with it)."""
+
+    accepted: float = PRIOR_ACCEPTED  # decayed count of kept drafts
+    rejected: float = PRIOR_REJECTED  # decayed count of rejections
+    shadow: list[int] = field(default_factory=list)  # unverified proposal being scored
+    shadow_matched: int = 0  # its tokens matched so far
+    num_runs: int = 0  # draft runs observed, verified or in the shadow
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that a draft is kept given its predecessors were."""
+        return self.accepted / (self.accepted + self.rejected)
+
+
+class StepCost:
+    """Relative time of a step over ``T`` tokens: piecewise linear through ``points``
+    (``(T, cost)`` pairs, increasing ``T``), extended linearly past the last one."""
+
+    def __init__(self, points: Sequence[tuple[int, float]]) -> None:
+        if len(points) < 2 or any(b[0] <= a[0] for a, b in pairwise(points)):
+            raise ValueError(
+                f"StepCost: expected two or more (tokens, cost) points with increasing tokens, got {points}"
+            )
+        self.points = tuple((int(t), float(c)) for t, c in points)
+
+    @classmethod
+    def linear(cls, token_cost: float) -> StepCost:
+        """``(1 + c * T) / (1 + c)``: a fixed cost per step plus ``c`` of it per token."""
+        return cls(((1, 1.0), (2, (1 + 2 * token_cost) / (1 + token_cost))))
+
+    def __call__(self, num_tokens: int) -> float:
+        pts = self.points
+        for (t0, c0), (t1, c1) in pairwise(pts):
+            if num_tokens <= t1 or (t1, c1) == pts[-1]:
+                return c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0)
+        raise AssertionError("unreachable")
+
+
+class DraftPolicy:
+    """Chooses each request's number of drafts for a step (see the module docstring)."""
+
+    def __init__(
+        self,
+        max_k: int,
+        step_cost: StepCost | None = None,
+        decay: float = DEFAULT_DECAY,
+        min_gain: float | None = None,
+    ) -> None:
+        self.max_k = max_k
+        self.step_cost = step_cost if step_cost is not None else StepCost(DEFAULT_STEP_COST_POINTS)
+        self.decay = decay
+        self.min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
+
+    def allocate(self, states: Sequence[DraftState], caps: Sequence[int]) -> list[int]:
+        """Drafts for each of a step's decoding requests (``caps[i]``: at most that many for request ``i``)."""
+        num = len(states)
+        values = sorted(
+            ((state.acceptance**j, i) for i, (state, cap) in enumerate(zip(states, caps))
+             for j in range(1, min(cap, self.max_k) + 1)),
+            key=lambda v: -v[0],
+        )  # fmt: skip
+        cost = self.step_cost
+        best_m, best_rate = 0, num / cost(num) * self.min_gain
+        tokens = float(num)
+        for m, (value, _) in enumerate(values, 1):
+            tokens += value
+            rate = tokens / cost(num + m)
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        out = [0] * num
+        for _, i in values[:best_m]:
+            out[i] += 1
+        return out
+
+    def num_drafts(self, state: DraftState, batch_size: int = 1) -> int:
+        """Drafts worth verifying for one request in a step of ``batch_size`` like it."""
+        return self.allocate([state] * batch_size, [self.max_k] * batch_size)[0]
+
+    def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
+        """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept."""
+        self._record(state, num_accepted, num_accepted < num_drafts)
+
+    def shadow(self, state: DraftState, proposal: list[int]) -> None:
+        """Score ``proposal`` (not verified) against the tokens that follow, unless one is pending."""
+        if not state.shadow and proposal:
+            state.shadow, state.shadow_matched = list(proposal), 0
+
+    def observe_tokens(self, state: DraftState, tokens: list[int]) -> None:
+        """Tokens the request just emitted (after its verified drafts, if any): they score the shadow."""
+        if not state.shadow:
+            return
+        for t in tokens:
+            if t != state.shadow[state.shadow_matched]:
+                self._record(state, state.shadow_matched, True)
+                state.shadow = []
+                return
+            state.shadow_matched += 1
+            if state.shadow_matched == len(state.shadow):
+                self._record(state, state.shadow_matched, False)
+                state.shadow = []
+                return
+
+    def _record(self, state: DraftState, kept: int, rejected: bool) -> None:
+        state.accepted = state.accepted * self.decay + kept
+        state.rejected = state.rejected * self.decay + (1.0 if rejected else 0.0)
+        state.num_runs += 1

@@ -1,0 +1,208 @@
+"""The draft policy (``core/spec_policy.py``) and the speculative-decoding metrics.
+
+The policy only decides how many drafts are verified, never what is
+emitted: outputs with it equal speculation off. On text the model does not
+repeat (a plain random checkpoint) it stops drafting after a few rejected
+runs; on text it copies (the bigram "copying" checkpoint inside its cycle)
+it keeps drafting at full length. Its shadow scoring brings drafting back
+when a request starts copying. Metrics: per request, totals, ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_spec_ngram import NGRAM, _in_cycle, copying  # noqa: F401  (copying is a fixture)
+from utils_engine import PROMPTS, make_engine, run_all
+
+from omnistage.core.spec_policy import DraftPolicy, DraftState, StepCost
+from omnistage.entrypoints.openai.metrics import ServerMetrics, normalize_engine_stats
+from omnistage.sampling_params import SamplingParams
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# -- the policy alone ---------------------------------------------------------------
+
+
+def test_policy_shrinks_on_rejections_and_grows_on_acceptance():
+    policy = DraftPolicy(max_k=6)  # the default (measured) step cost
+    state = DraftState()
+    assert policy.num_drafts(state) == 0  # an unseen request (a = 0.5) starts in the shadow
+    for _ in range(6):
+        policy.observe(state, 6, 6)  # full runs (in the shadow or verified)
+    assert policy.num_drafts(state) == 6
+    ks = []
+    for _ in range(12):
+        policy.observe(state, policy.num_drafts(state) or 1, 0)
+        ks.append(policy.num_drafts(state))
+    assert ks == sorted(ks, reverse=True) and ks[-1] == 0  # shrinks, then stops
+
+
+def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
+    linear = DraftPolicy(max_k=8, step_cost=StepCost.linear(0.05), min_gain=1.05)
+    state = DraftState(accepted=6.0, rejected=4.0)  # a = 0.6
+    ks = [linear.num_drafts(state, b) for b in (1, 8, 64)]
+    assert ks[0] > ks[1] > ks[2]  # the fixed cost is shared by more decodes: drafts must be better
+    free = DraftPolicy(max_k=4, step_cost=StepCost(((1, 1.0), (2, 1.0))), min_gain=1.0)
+    assert free.num_drafts(DraftState(accepted=0.01), 16) == 4
+    assert DraftPolicy(max_k=4, step_cost=StepCost.linear(100.0)).num_drafts(DraftState(accepted=9.0)) == 0
+    # Requests differ: the better one gets the drafts; caps are respected.
+    good, bad = (
+        DraftState(accepted=9.0, rejected=1.0),
+        DraftState(accepted=1.0, rejected=9.0),
+    )
+    assert (
+        linear.allocate([bad, good, good], [8, 8, 2]) == [0, 8, 2]
+        or linear.allocate([bad, good, good], [8, 8, 2])[0] < linear.allocate([bad, good, good], [8, 8, 2])[1]
+    )
+    # The default curve and margin: a = 0.5 does not pay, a = 0.9 drafts in full.
+    assert DraftPolicy(max_k=8).num_drafts(DraftState()) == 0
+    assert DraftPolicy(max_k=8).num_drafts(DraftState(accepted=9.0, rejected=1.0)) == 8
+    with pytest.raises(ValueError, match="increasing tokens"):
+        StepCost(((2, 1.0), (1, 2.0)))
+
+
+def test_shadow_scores_a_proposal_against_the_tokens_that_follow():
+    policy = DraftPolicy(max_k=4)
+    state = DraftState(accepted=0.0, rejected=1.0)
+    policy.shadow(state, [5, 6, 7])
+    policy.shadow(state, [9, 9])  # one pending at a time: ignored
+    policy.observe_tokens(state, [5])
+    policy.observe_tokens(state, [6])
+    assert state.shadow == [5, 6, 7] and state.num_runs == 0
+    policy.observe_tokens(state, [8])  # mismatch at the third: 2 kept, one rejection
+    assert state.shadow == [] and state.num_runs == 1
+    assert (state.accepted, state.rejected) == (2.0, 1.0 * policy.decay + 1.0)
+    policy.shadow(state, [1, 2])
+    policy.observe_tokens(state, [1, 2, 3])  # all matched: no rejection counted
+    assert state.shadow == [] and state.num_runs == 2
+    assert state.rejected == (1.0 * policy.decay + 1.0) * policy.decay
+
+
+# -- the policy in the engine -------------------------------------------------------
+
+
+def test_random_text_stops_drafting_with_identical_outputs(copying):  # noqa: F811 (the imported fixture)
+    loaded, _ = copying("qwen2", 1.0)  # plain random weights: drafts are almost always rejected
+    prompts = PROMPTS[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    off = _ids(run_all(make_engine(loaded), prompts, params))
+    always = make_engine(loaded, speculative_config=NGRAM)
+    always.scheduler.draft_policy = DraftPolicy(
+        NGRAM["num_speculative_tokens"],
+        step_cost=StepCost(((1, 1.0), (2, 1.0))),
+        min_gain=0.0,
+    )
+    adaptive = make_engine(loaded, speculative_config=NGRAM)
+    assert _ids(run_all(always, prompts, params)) == off
+    outs = run_all(adaptive, prompts, params)
+    assert _ids(outs) == off
+    a, b = always.get_stats(), adaptive.get_stats()
+    assert a.num_accepted_tokens <= a.num_draft_tokens // 4  # the workload: low acceptance
+    assert b.num_draft_tokens * 3 < a.num_draft_tokens  # far fewer drafts verified
+    assert b.num_drafts < 0.5 * sum(len(t) for t in off)  # most steps decode one token
+    # Each request stopped: its late steps draft nothing (shadow only).
+    for o in outs:
+        assert o.metrics.num_drafts < 20
+
+
+def test_copying_text_keeps_full_drafts(copying):  # noqa: F811 (the imported fixture)
+    loaded, _ = copying("llama", 0.0)  # bigram model inside its cycle: drafts are accepted
+    prompt = _in_cycle(loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    off_engine = make_engine(loaded)
+    off = _ids(run_all(off_engine, [prompt], params))
+    on = make_engine(loaded, speculative_config=NGRAM)
+    on.add_request("copy", prompt, params)
+    (req,) = on.scheduler.requests.values()
+    runs, out = [], None
+    while on.has_unfinished_requests():
+        before = req.num_draft_tokens
+        for o in on.step():
+            out = o if o.finished else out
+        if req.num_draft_tokens > before:
+            runs.append(req.num_draft_tokens - before)
+    assert _ids([out]) == off
+    m, k = out.metrics, NGRAM["num_speculative_tokens"]
+    assert m.draft_acceptance_rate > 0.9
+    # The shadow's record grows from the prior (a = 0.5, not worth drafting), then
+    # full-length runs until max_tokens caps the last ones.
+    full = runs.index(k)
+    assert full <= 8
+    assert runs[full : full + 6] == [k] * 6
+    assert on.get_stats().num_steps * 2 < off_engine.get_stats().num_steps
+
+
+def test_shadow_brings_drafting_back(copying):  # noqa: F811 (the imported fixture)
+    """A request that stopped drafting on random text drafts again once its text copies."""
+    loaded, _ = copying("llama", 0.0)
+    cycle = _in_cycle(loaded)["prompt_token_ids"]
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    (out,) = run_all(
+        engine,
+        [{"prompt_token_ids": cycle}],
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    )
+    assert out.metrics.num_drafts > 0
+    # The same request pre-trained to "no drafting" by many rejections: the shadow turns it back on.
+    policy = engine.scheduler.draft_policy
+    state = DraftState()
+    for _ in range(20):
+        policy.observe(state, 4, 0)
+    assert policy.num_drafts(state, 1) == 0
+    engine.add_request(
+        "r",
+        {"prompt_token_ids": cycle},
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+    )
+    (req,) = engine.scheduler.requests.values()
+    req.draft_state = state
+    drafted = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        drafted.append(req.num_drafts)
+    assert drafted[0] == 0 and drafted[-1] > 0  # off at first, back on from the shadow's evidence
+
+
+# -- metrics ------------------------------------------------------------------------
+
+
+def test_metrics_per_request_totals_and_prometheus(copying):  # noqa: F811 (the imported fixture)
+    loaded, _ = copying("qwen2", 0.0)
+    prompt = _in_cycle(loaded)
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    outs = run_all(
+        engine,
+        [prompt, prompt],
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    )
+    stats = engine.get_stats()
+    per_req = [o.metrics for o in outs]
+    assert stats.num_drafts == sum(m.num_drafts for m in per_req) > 0
+    assert stats.num_draft_tokens == sum(m.num_draft_tokens for m in per_req)
+    assert stats.num_accepted_tokens == sum(m.num_accepted_tokens for m in per_req) > 0
+    # Per position: non-increasing (a draft is kept only after its predecessors), summing to the total.
+    pos = stats.num_accepted_tokens_per_pos
+    assert len(pos) == NGRAM["num_speculative_tokens"] and sum(pos) == stats.num_accepted_tokens
+    assert list(pos) == sorted(pos, reverse=True) and pos[0] <= stats.num_drafts
+    for m in per_req:
+        assert m.mean_acceptance_length == 1 + m.num_accepted_tokens / m.num_drafts
+    assert stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / stats.num_drafts
+    text = ServerMetrics().render(normalize_engine_stats(stats))
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples["omnistage:spec_decode_num_drafts_total"] == stats.num_drafts
+    assert samples["omnistage:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert samples["omnistage:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+    for i, v in enumerate(pos):
+        assert samples[f'omnistage:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] == v
+    # Speculation off: zero counters, no positions.
+    off = ServerMetrics().render(normalize_engine_stats(make_engine(loaded).get_stats()))
+    assert "omnistage:spec_decode_num_drafts_total 0" in off and 'position="0"' not in off
+    assert per_req[0].draft_acceptance_rate is not None
+    assert make_engine(loaded).get_stats().mean_acceptance_length is None
