@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from utils_engine import hf_greedy
 
+from omnistage.core import spec_policy
 from omnistage.models.loader import LoadedModel, load_model
 from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 
@@ -17,6 +18,15 @@ from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Every engine test module runs with one intra-op thread (see tests/conftest.py)."""
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """For tests of verification, rollback and caching: every n-gram proposal is
+    verified at full length (a free verify step for the draft policy, which
+    test_spec_policy.py tests on its own)."""
+    monkeypatch.setattr(spec_policy, "DEFAULT_STEP_COST_POINTS", ((1, 1.0), (2, 1.0)))
+    monkeypatch.setattr(spec_policy, "DEFAULT_MIN_GAIN", 0.0)
 
 
 @pytest.fixture(scope="session")

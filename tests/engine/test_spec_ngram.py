@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from utils_engine import PROMPTS, assert_pool_clean, hf_greedy, make_engine, run_all
 
-from omnistage.core import spec_policy
 from omnistage.core.spec_decode import SpeculativeConfig, propose_ngram
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.models.loader import load_model
@@ -36,12 +35,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 REPEATING = "one two three four one two three four one two three four one two"
 
 
-@pytest.fixture(autouse=True)
-def always_draft(monkeypatch):
-    """These tests check verification, rollback and caching, so every proposal is verified
-    at full length: a free verify step for the draft policy (tested in test_spec_policy.py)."""
-    monkeypatch.setattr(spec_policy, "DEFAULT_STEP_COST_POINTS", ((1, 1.0), (2, 1.0)))
-    monkeypatch.setattr(spec_policy, "DEFAULT_MIN_GAIN", 0.0)
+pytestmark = pytest.mark.usefixtures("always_draft")  # tests/engine/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def spec_off(make_llm: Any) -> list[Any]:
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_text_codes_and_waveform_equal_speculation_off(
-    method: str, make_llm: Any, spec_off: list, eagle: dict
+    method: str, make_llm: Any, spec_off: list, eagle: dict, always_draft: None
 ) -> None:
     llm = make_llm(speculative_config=NGRAM if method == "ngram" else eagle)
     thinker = llm.llm_engine.stages["thinker"]
