@@ -9,18 +9,25 @@ audio leaves with the chunk. A causal vocoder (Qwen3-Omni's Code2Wav) re-reads
 some left context and returns exactly a full decode's samples for the chunk; a
 non-causal one (Qwen2.5-Omni's DiT) approximates its full decode (see its
 ``decode_chunk``).
+
+A vocoder that can decode several requests' chunks in one forward exactly
+(a causal one, right-padded) also defines ``decode_chunks(calls)``; the stage
+then hands it every chunk it scheduled in a step (``decode_scheduled``). One
+that cannot (its noise or block-local attention is per request) is called
+once per chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from omnistage.core.chunk_schedule import ChunkSchedule
 
-__all__ = ["ChunkedVocoder", "decode_in_chunks"]
+__all__ = ["ChunkCall", "ChunkedVocoder", "decode_in_chunks", "decode_scheduled"]
 
 
 @runtime_checkable
@@ -45,6 +52,25 @@ class ChunkedVocoder(Protocol):
     def start_decode(self, speaker: str, seed: int, stream: bool) -> Any: ...
 
     def decode_chunk(self, codes: Sequence[int], index: int, state: Any, last: bool) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class ChunkCall:
+    """One ``decode_chunk`` call: a request's codes so far, the chunk's index, its decode state, last or not."""
+
+    codes: Sequence[Any]
+    index: int
+    state: Any
+    last: bool
+
+
+def decode_scheduled(vocoder: ChunkedVocoder, calls: Sequence[ChunkCall]) -> list[np.ndarray]:
+    """Each call's samples: in one ``decode_chunks(calls)`` when the vocoder batches
+    (it must return what ``decode_chunk`` would, per call), else one call at a time."""
+    batched = getattr(vocoder, "decode_chunks", None)
+    if batched is not None and len(calls) > 1:
+        return list(batched(calls))
+    return [vocoder.decode_chunk(c.codes, c.index, c.state, c.last) for c in calls]
 
 
 def decode_in_chunks(

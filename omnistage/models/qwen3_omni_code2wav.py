@@ -21,7 +21,9 @@ full decode, which is what ``decode`` computes.)
 
 A batch of requests decodes in one call, right-padded with code 0: padding
 after a sequence cannot change its samples (causal), which are then cut at
-its own ``S(n)``.
+its own ``S(n)``. The chunked stage batches the same way: ``decode_chunks``
+decodes every request's scheduled chunk (each with its left context and its
+own positions) in one forward.
 """
 
 from __future__ import annotations
@@ -102,14 +104,16 @@ class Qwen3OmniCode2Wav:
         )
 
     @torch.inference_mode()
-    def _run(self, codes: torch.Tensor, first_frame: int = 0) -> torch.Tensor:
-        """``[B, Q, N]`` codes -> ``[B, N * U - trim]`` fp32 samples; positions start at ``first_frame``
-        so that a chunk's rotary phases are those of the full decode."""
+    def _run(self, codes: torch.Tensor, first_frame: int | Sequence[int] = 0) -> torch.Tensor:
+        """``[B, Q, N]`` codes -> ``[B, N * U - trim]`` fp32 samples; row ``b``'s positions start at
+        ``first_frame`` (or ``first_frame[b]``) so that a chunk's rotary phases are those of the
+        full decode."""
         m = self.module
         hidden = m.code_embedding(codes + m.code_offset).mean(1)
-        positions = torch.arange(
-            first_frame, first_frame + codes.shape[-1], device=codes.device
-        )[None]
+        starts = [first_frame] * codes.shape[0] if isinstance(first_frame, int) else list(first_frame)
+        positions = torch.arange(codes.shape[-1], device=codes.device)[None] + torch.tensor(
+            starts, device=codes.device
+        )[:, None]
         hidden = m.pre_transformer(
             inputs_embeds=hidden, position_ids=positions
         ).last_hidden_state
@@ -218,6 +222,38 @@ class Qwen3OmniCode2Wav:
             .T
         )
         return self.decode_codes(window, left_context=start - lo, first_frame=lo)
+
+    def _chunk_window(self, call: Any) -> tuple[torch.Tensor, int, int]:
+        """A chunk's ``([Q, c + n] window, first frame, samples to skip)``, as ``decode_chunk`` reads it."""
+        start, end = call.state.span(call.index, len(call.codes), call.last)
+        lo = max(0, start - self.left_context)
+        window = self._as_tensor(
+            np.asarray(call.codes[lo:end], dtype=np.int64).reshape(end - lo, self.num_quantizers).T
+        )
+        skip = self.num_samples(start) - lo * self.samples_per_frame if start > 0 else 0
+        return window, lo, skip
+
+    def decode_chunks(self, calls: Sequence[Any]) -> list[np.ndarray]:
+        """``decode_chunk`` of several requests' chunks (``ChunkCall``s) in one forward.
+
+        Each window (the chunk's frames after its left context) is right-padded with
+        code 0 to the longest and gets its own positions; the model is causal, so the
+        padding cannot reach a window's samples, which are cut at its own
+        ``[skip, S(window))``. Equal to one call per chunk to float rounding."""
+        windows = [self._chunk_window(c) for c in calls]
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(calls)
+        live = [i for i, (w, _, skip) in enumerate(windows) if self.num_samples(w.shape[1]) > skip]
+        if not live:
+            return out
+        longest = max(windows[i][0].shape[1] for i in live)
+        padded = torch.zeros(len(live), self.num_quantizers, longest, dtype=torch.long, device=self.device)
+        for row, i in enumerate(live):
+            padded[row, :, : windows[i][0].shape[1]] = windows[i][0]
+        wav = self._run(padded, first_frame=[windows[i][1] for i in live]).cpu().numpy()
+        for row, i in enumerate(live):
+            window, _, skip = windows[i]
+            out[i] = np.ascontiguousarray(wav[row, skip : self.num_samples(window.shape[1])], dtype=np.float32)
+        return out
 
 
 class StreamingVocoder:

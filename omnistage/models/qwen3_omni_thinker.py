@@ -45,9 +45,12 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
 
     Audio items carry ``input_features`` ``[num_mel_bins, frames]`` (valid frames
     only) and ``audio_feature_lengths`` ``[1]``; image items ``pixel_values`` and
-    ``image_grid_thw``. Video is not wired yet.
+    ``image_grid_thw``; video items ``pixel_values_videos``, ``video_grid_thw`` and
+    ``second_per_grid_ts`` (the temporal M-RoPE axis advances
+    ``second_per_grid_ts * position_id_per_seconds`` per grid). Audio interleaved
+    with a video (``use_audio_in_video``) is refused by the processor.
 
-    **Deepstack.** The vision tower also returns, per image, one ``[n, hidden]``
+    **Deepstack.** The vision tower also returns, per image or video, one ``[n, hidden]``
     tensor per deepstack level, which transformers adds to the hidden states at
     the image's positions after decoder layers ``0 .. levels - 1``. The encoder
     cache holds only the main rows (one per placeholder); the deepstack rows are
@@ -59,7 +62,7 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
     ``_deepstack_process`` does.
     """
 
-    modalities = ("image", "audio")
+    modalities = ("image", "video", "audio")
     tensor_cache_policy = QWEN3_THINKER_FOR_TALKER_POLICY
 
     def __init__(self, model: Any, accept_hidden_layer: int | None = None) -> None:
@@ -104,6 +107,18 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
             self._cat(items, "image_grid_thw", torch.int64),
             return_dict=True,
         )
+        return self._with_deepstack(out)
+
+    def _encode_video(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+        out = self.inner.get_video_features(
+            self._cat(items, "pixel_values_videos"),
+            self._cat(items, "video_grid_thw", torch.int64),
+            return_dict=True,
+        )
+        return self._with_deepstack(out)
+
+    def _with_deepstack(self, out: Any) -> list[torch.Tensor]:
+        """The vision tower's main rows per item, each remembered with its deepstack rows."""
         mains = [
             m.to(self.dtype).clone() for m in out.pooler_output
         ]  # own storage: the cache's views map back
@@ -117,11 +132,11 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
         self, modality: str, items: list[dict[str, Any]]
     ) -> list[torch.Tensor]:
         outs = super().embed_multimodal(modality, items)
-        if modality == "image" and any(
+        if modality in ("image", "video") and any(
             _storage(o) not in self._deepstack for o in outs
         ):
             raise RuntimeError(
-                "Qwen3OmniThinkerAdapter: image rows lost their deepstack rows (dtype cast)"
+                f"Qwen3OmniThinkerAdapter: {modality} rows lost their deepstack rows (dtype cast)"
             )
         return outs
 
@@ -134,14 +149,14 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
 
     @property
     def num_deepstack_items(self) -> int:
-        """Images whose deepstack rows are kept (as many as the encoder cache holds)."""
+        """Images and videos whose deepstack rows are kept (as many as the encoder cache holds)."""
         return len(self._deepstack)
 
     def begin_step(
         self, mm_rows: Sequence[torch.Tensor], is_mm_embed: torch.Tensor | None
     ) -> None:
         """The step's gathered encoder rows (in the order of the ``is_mm_embed`` positions):
-        find the deepstack rows of those that are image rows."""
+        find the deepstack rows of those that are image or video rows."""
         self._step_deepstack = None
         if not mm_rows or is_mm_embed is None or not self._deepstack:
             return

@@ -40,6 +40,8 @@ _KWARGS_NAMES = {"images_kwargs": "image", "videos_kwargs": "video", "audio_kwar
 # processor settings of its own (the published one has none: its video
 # processor reads the image processor's preprocessor_config.json).
 _OMNI_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+# Qwen3-Omni's processor does the same with its 32-pixel merged patches.
+_QWEN3_OMNI_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
 _MAX_AUDIO_SECONDS = 30  # the feature extractor's window; longer clips are refused, not truncated
 
 
@@ -93,17 +95,16 @@ class MultiModalProcessor:
             QwenVideoPreprocessor.from_dict(video_settings.values) if video_settings else QwenVideoPreprocessor()
         )
         if self.is_omni and (video_settings is None or video_settings.borrowed):
-            self.video_processor = self.video_processor.with_options({"size": dict(_OMNI_VIDEO_SIZE)})
+            size = _QWEN3_OMNI_VIDEO_SIZE if is_qwen3 else _OMNI_VIDEO_SIZE
+            self.video_processor = self.video_processor.with_options({"size": dict(size)})
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(path) if self.is_omni else None
         self.merge_size = config.vision_config.spatial_merge_size
         self.placeholder_ids = {"image": config.image_token_id, "video": config.video_token_id}
         if self.is_omni:
             self.placeholder_ids["audio"] = config.audio_token_id
-        if is_qwen3:  # its video is not wired yet
-            self.placeholder_ids = {"image": config.image_token_id, "audio": config.audio_token_id}
         # default fps when a video comes without one: transformers' Qwen2.5-VL
-        # processor falls back to 24, the Qwen2.5-Omni processor to 2.0
-        self.default_fps = 2.0 if self.is_omni else 24.0
+        # processor falls back to 24, the Qwen2.5-Omni processor to 2.0, Qwen3-Omni's to 1.0
+        self.default_fps = 1.0 if is_qwen3 else 2.0 if self.is_omni else 24.0
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike, tokenizer: Any = None) -> MultiModalProcessor:

@@ -48,7 +48,9 @@ class OmniOptions:
       the talker stage's limits (default: the thinker's batch size, a 256 MiB
       pool, the thinker's length + 2 + the talker's ``max_tokens``);
     - ``token2wav_requests_per_step``: requests whose next chunk (or whole
-      waveform) is decoded per pipeline step.
+      waveform) is decoded per pipeline step (``None``: the model's default,
+      1 for Qwen2.5-Omni's per-request DiT, ``QWEN3_CODE2WAV_REQUESTS_PER_STEP``
+      for Qwen3-Omni's code2wav, which decodes them in one batch).
     """
 
     talker_params: dict[str, Any] | None = None
@@ -57,7 +59,7 @@ class OmniOptions:
     talker_max_num_seqs: int | None = None
     talker_num_kv_blocks: int | None = None
     talker_max_model_len: int | None = None
-    token2wav_requests_per_step: int = 1
+    token2wav_requests_per_step: int | None = None
 
     @classmethod
     def split(cls, kwargs: dict[str, Any]) -> tuple[OmniOptions, dict[str, Any]]:
@@ -140,7 +142,7 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
             "token2wav",
             kind="chunked",
             input_processor=Token2WavInputs(token2wav),
-            max_requests_per_step=options.token2wav_requests_per_step,
+            max_requests_per_step=options.token2wav_requests_per_step or 1,
         ),
     )
     sample_rate = int(token2wav.sample_rate)

@@ -10,7 +10,8 @@
   frames are the model's deferred key ``codes.audio``;
 - **code2wav**: the chunked vocoder stage (``ChunkedVocoder``): frames decoded in
   chunks as the talker makes them when streamed, else once; every chunk re-reads
-  its left context, so both are the full decode's samples exactly.
+  its left context, so both are the full decode's samples exactly. A step's
+  chunks of several requests decode in one right-padded forward.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from omnistage.models.loader import LoadedModel
 from omnistage.models.qwen3_omni import DEFAULT_QWEN3_SPEAKER, Qwen3OmniModel
 from omnistage.models.qwen3_omni_talker import Qwen3TalkerPrep
 
-__all__ = ["build_qwen3_omni_pipeline"]
+__all__ = ["QWEN3_CODE2WAV_REQUESTS_PER_STEP", "build_qwen3_omni_pipeline"]
+
+# The code2wav stage decodes the ready chunks of up to this many requests in one
+# right-padded forward (exact: the vocoder is causal); a chunk is at most 12 frames
+# plus its left context, so a batch stays small.
+QWEN3_CODE2WAV_REQUESTS_PER_STEP = 8
 
 
 class Qwen3TalkerInputs:
@@ -122,7 +128,7 @@ def build_qwen3_omni_pipeline(
             "token2wav",
             kind="chunked",
             input_processor=Token2WavInputs(omni.code2wav),
-            max_requests_per_step=options.token2wav_requests_per_step,
+            max_requests_per_step=options.token2wav_requests_per_step or QWEN3_CODE2WAV_REQUESTS_PER_STEP,
         ),
     )
     # Voices as users name them ("Ethan"); the config spells them lower-case and

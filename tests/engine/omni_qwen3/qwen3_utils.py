@@ -61,13 +61,16 @@ def frames_of(out: Any) -> np.ndarray:
 
 
 def assert_same_answer(a: Any, b: Any) -> None:
-    """Same thinker tokens, same codes of every group, same waveform (bit for bit)."""
+    """Same thinker tokens, same codes of every group, same waveform (same length, 1e-6 per
+    sample: the code2wav stage decodes the requests it holds in one padded batch, and a
+    different batch changes only float rounding)."""
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.extra.get("codec_frames") == b.extra.get("codec_frames")
     if a.audio is None or b.audio is None:
         assert a.audio is None and b.audio is None
     else:
-        assert a.audio.dtype == np.float32 and np.array_equal(a.audio, b.audio)
+        assert a.audio.dtype == np.float32 and a.audio.shape == b.audio.shape
+        np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-6)
 
 
 def assert_nothing_held(llm: Any) -> None:

@@ -129,12 +129,18 @@ def test_frames_take_the_deferred_path(make_q3: Any) -> None:
     assert_nothing_held(llm)
 
 
-def _image_conversation(llm: Any, image: Any) -> list[Any]:
+_MEDIA_PROMPTS = {
+    "image": "look at this picture <|vision_start|><|image_pad|><|vision_end|>what is it?",
+    "video": "watch this <|vision_start|><|video_pad|><|vision_end|>what happens?",
+}
+
+
+def _media_conversation(llm: Any, modality: str, item: Any) -> list[Any]:
     tok = llm.get_tokenizer()
-    text = "<|im_start|>user\nlook at this picture <|vision_start|><|image_pad|><|vision_end|>what is it?<|im_end|>\n"
+    text = f"<|im_start|>user\n{_MEDIA_PROMPTS[modality]}<|im_end|>\n"
     text += "<|im_start|>assistant\n"
     first = llm.generate(
-        [{"prompt": text, "multi_modal_data": {"image": image}}], SP, use_tqdm=False
+        [{"prompt": text, "multi_modal_data": {modality: item}}], SP, use_tqdm=False
     )[0]
     answer = tok.decode(first.outputs[0].token_ids, skip_special_tokens=False)
     second = (
@@ -145,26 +151,30 @@ def _image_conversation(llm: Any, image: Any) -> list[Any]:
     return [
         first,
         llm.generate(
-            [{"prompt": second, "multi_modal_data": {"image": image}}],
+            [{"prompt": second, "multi_modal_data": {modality: item}}],
             SP,
             use_tqdm=False,
         )[0],
     ]
 
 
-def test_image_second_turn_hits_and_equals_cache_off(make_q3: Any) -> None:
-    """A second turn with the same image hits the thinker's prefix (image blocks
-    included): same text, frames and audio as with prefix caching off."""
+@pytest.mark.parametrize("modality", ["image", "video"])
+def test_media_second_turn_hits_and_equals_cache_off(make_q3: Any, modality: str) -> None:
+    """A second turn with the same image or video hits the thinker's prefix (media
+    blocks included): same text, frames and audio as with prefix caching off."""
     from PIL import Image
 
-    image = Image.fromarray(
-        np.random.default_rng(1).integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    rng = np.random.default_rng(1)
+    item = (
+        Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))
+        if modality == "image"
+        else rng.integers(0, 255, (4, 64, 96, 3), dtype=np.uint8)
     )
-    off = _image_conversation(
-        make_q3(enable_prefix_caching=False, max_num_batched_tokens=16), image
+    off = _media_conversation(
+        make_q3(enable_prefix_caching=False, max_num_batched_tokens=16), modality, item
     )
     llm = make_q3(max_num_batched_tokens=16)
-    on = _image_conversation(llm, image)
+    on = _media_conversation(llm, modality, item)
     assert on[1].num_cached_tokens > 0
     for ours, ref in zip(on, off):
         assert list(ours.prompt_token_ids) == list(ref.prompt_token_ids)

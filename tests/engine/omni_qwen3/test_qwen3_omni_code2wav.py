@@ -206,3 +206,28 @@ def test_chunked_vocoder_protocol_equals_full_decode(
     joined = np.concatenate(chunks)
     assert joined.shape == full.shape
     np.testing.assert_allclose(joined, full, rtol=0, atol=1e-6)
+
+
+def test_batched_chunks_equal_one_chunk_at_a_time(vocoder: Qwen3OmniCode2Wav) -> None:
+    """``decode_chunks``: chunks of different requests, lengths, windows and first frames
+    (a first chunk, a middle one with full left context, a last short one, an empty
+    last one) in one padded forward give each chunk's own samples, same length."""
+    from omnistage.core.chunk_schedule import ChunkSchedule
+    from omnistage.models.chunked_vocoder import ChunkCall
+
+    gen = torch.Generator().manual_seed(1)
+    frames = [torch.randint(0, 64, (n, 4), generator=gen).tolist() for n in (37, 9, 30, 5, 16)]
+    s412, s25, whole = ChunkSchedule(first=4, size=12), ChunkSchedule(first=2, size=5), ChunkSchedule()
+    calls = [
+        ChunkCall(frames[0], 2, s412, False),  # frames 16..28 after 16 frames of context
+        ChunkCall(frames[1][:4], 0, s412, False),  # a first chunk of 4
+        ChunkCall(frames[2], 5, s25, True),  # the last, 3 frames after 21 of context
+        ChunkCall(frames[3], 0, whole, True),  # a whole decode
+        ChunkCall(frames[4], 1, s412, True),  # the last, 12 frames
+    ]
+    batched = vocoder.decode_chunks(calls)
+    for call, got in zip(calls, batched, strict=True):
+        alone = vocoder.decode_chunk(call.codes, call.index, call.state, call.last)
+        assert got.dtype == np.float32 and got.shape == alone.shape and alone.size > 0
+        np.testing.assert_allclose(got, alone, rtol=0, atol=1e-6)
+    assert {len(b) for b in batched} != {len(batched[0])}  # lengths really differ

@@ -63,3 +63,52 @@ def test_leaving_the_stream_early_frees_everything(make_q3: Any) -> None:
     for _ in range(4):  # every stage drops its last rows one step after the abort
         llm.llm_engine.step()
     assert_nothing_held(llm)
+
+
+def test_concurrent_requests_batched_in_the_vocoder_equal_each_alone(make_q3: Any) -> None:
+    """Several requests in flight: the code2wav stage decodes their ready chunks in one
+    forward (chunks of different lengths and windows in one batch); each request's
+    streamed chunks and whole audio equal the same request run alone."""
+    from omnistage.core.chunk_schedule import ChunkSchedule
+
+    talker = {"temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": 16}
+    texts = ["tell me a story about a fox and a dog", "hi there", "what is the weather like in paris"]
+    sps = [SamplingParams(temperature=0.0, max_tokens=n) for n in (8, 8, 6)]
+    batched = make_q3(talker_params=talker)
+    stage = batched.llm_engine.stages["token2wav"]
+    assert stage.scheduler.max_requests_per_step > 1
+    vocoder = stage.runner.model
+    prompts = [{"prompt_token_ids": chat_ids(batched.get_tokenizer(), t)} for t in texts]
+    batches: list[list[int]] = []  # the sample counts of each batched call's chunks
+    original = vocoder.decode_chunks
+
+    def spy(calls: Any) -> Any:
+        out = original(calls)
+        batches.append([len(a) for a in out])
+        return out
+
+    # Chunks of 2 frames: requests that start a step or two apart still share steps.
+    vocoder.stream_schedule, vocoder.decode_chunks = ChunkSchedule(first=2, size=2), spy
+    try:
+        streamed: list[list[np.ndarray]] = [[] for _ in prompts]
+        for event in batched.generate_stream(prompts, sps):
+            streamed[event.index].extend(event.new_audio_chunks)
+        whole = batched.generate(prompts, sps, use_tqdm=False)
+        del vocoder.decode_chunks
+        alone = make_q3(talker_params=talker, token2wav_requests_per_step=1)
+        for i, (prompt, sp) in enumerate(zip(prompts, sps, strict=True)):
+            (ref,) = alone.generate([prompt], sp, use_tqdm=False)
+            ref_chunks = [c for e in alone.generate_stream([prompt], sp) for c in e.new_audio_chunks]
+            assert whole[i].extra["codec_frames"] == ref.extra["codec_frames"] and ref.audio.size > 0
+            assert whole[i].audio.shape == ref.audio.shape and len(streamed[i]) == len(ref_chunks) >= 2
+            np.testing.assert_allclose(whole[i].audio, ref.audio, rtol=0, atol=1e-6)
+            for got, want in zip(streamed[i], ref_chunks, strict=True):
+                assert got.shape == want.shape
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(np.concatenate(streamed[i]), ref.audio, rtol=0, atol=1e-6)
+    finally:
+        vocoder.__dict__.pop("decode_chunks", None)
+        del vocoder.stream_schedule
+    assert any(len(b) >= 2 and len(set(b)) >= 2 for b in batches), batches  # mixed chunk lengths
+    assert_nothing_held(batched)
+    assert_nothing_held(alone)

@@ -225,3 +225,74 @@ def test_image_prompt_equals_transformers(
         1 if chunk is None else 2
     )  # the image split over two chunks
     assert_nothing_held(llm)
+
+
+VIDEO_PROMPT = "<|im_start|>user\nwatch this <|vision_start|><|video_pad|><|vision_end|>what happens?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def video() -> np.ndarray:
+    # 4 frames: 2 temporal grids of 2 x 3 merged tokens each (64 x 96 pixels)
+    return np.random.default_rng(1).integers(0, 255, (4, 64, 96, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def video_reference(llm: Any, q3_hf: Any, q3_dir: Any, video: np.ndarray) -> tuple[list[int], Any]:
+    """(prompt ids as omnistage expands them, transformers' answer) for the video prompt,
+    transformers given the same pixels, grid and seconds per grid (its video processor
+    needs torchvision; ours is checked on its own in tests/multimodal)."""
+    from omnistage.multimodal.processing import MultiModalProcessor
+
+    processed = MultiModalProcessor(q3_dir).process(
+        {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video}}
+    )
+    (feature,) = processed.mm_features
+    data = feature.data
+    # transformers' Qwen3-Omni processor: temporal_patch_size / fps, fps 1.0 by default
+    assert data["video_grid_thw"].tolist() == [[2, 4, 6]]
+    assert data["second_per_grid_ts"].tolist() == [2.0]
+    ref = hf_generate(
+        q3_hf, llm.get_tokenizer(), processed.prompt_token_ids, MAX_TEXT, MAX_CODES,
+        pixel_values_videos=data["pixel_values_videos"], video_grid_thw=data["video_grid_thw"],
+        video_second_per_grid=data["second_per_grid_ts"],
+    )  # fmt: skip
+    return processed.prompt_token_ids, ref
+
+
+@pytest.mark.parametrize(
+    "chunk", [None, 16], ids=["whole-prefill", "chunked-prefill-16"]
+)
+def test_video_prompt_equals_transformers(
+    make_q3: Any, video: np.ndarray, video_reference: Any, chunk: int | None
+) -> None:
+    """A video through the vision tower and the encoder cache: its M-RoPE positions
+    (temporal axis in seconds per grid), its deepstack rows (also when a prefill chunk
+    ends inside the video), the talker's positions and the waveform equal transformers'."""
+    llm = make_q3(**({} if chunk is None else {"max_num_batched_tokens": chunk}))
+    ids, ref = video_reference
+    video_id = llm.llm_engine.loaded_model.hf_config.thinker_config.video_token_id
+    assert ids.count(video_id) == 12
+    adapter = llm.llm_engine.stages["thinker"].runner.mm_adapter
+    steps: list[int] = []  # video rows with deepstack rows, per thinker step
+    begin = adapter.begin_step
+
+    def spy(rows: Any, mask: Any) -> None:
+        begin(rows, mask)
+        steps.append(0 if adapter._step_deepstack is None else adapter._step_deepstack[0].numel())
+
+    adapter.begin_step = spy
+    out = _ours(llm, {"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video}})
+    assert list(out.prompt_token_ids) == ids
+    _assert_equal(out, ref)
+    assert sum(steps) == 12 and len([n for n in steps if n]) == (1 if chunk is None else 2)
+    assert_nothing_held(llm)
+
+
+def test_audio_in_video_is_refused_clearly(llm: Any, video: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="use_audio_in_video is not supported"):
+        llm.generate(
+            [{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": video},
+              "mm_processor_kwargs": {"use_audio_in_video": True}}],
+            SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False,
+        )  # fmt: skip
+    assert_nothing_held(llm)
