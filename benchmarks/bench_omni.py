@@ -379,7 +379,10 @@ def _side_multi_turn(omni: Any, caches: str, convs: int, turns: int, system_len:
     tok = llm.get_tokenizer()
     rng = np.random.default_rng(seed)
     histories = [_chat(tok, rng.integers(0, 256, system_len).tolist()) for _ in range(convs)]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # The answers go back into the history as text: the tiny model's random answers must not
+    # hold media placeholders (or chat markers), which would ask for media no turn carries.
+    added = sorted(tok.added_tokens_decoder)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, suppress_token_ids=added)
     hits = 0
     for turn in range(turns):
         outs = llm.generate(histories, params, use_tqdm=False)
