@@ -353,8 +353,13 @@ def test_chunked_prefill_gathers_exactly_the_right_rows(seed, draft_lookahead):
                 want_rows += rows
             start += n
         assert torch.nonzero(mask).squeeze(1).tolist() == want_slots
-        got = torch.cat(embeds) if embeds else torch.zeros(0, HIDDEN)
-        assert torch.equal(got, torch.stack(want_rows) if want_rows else torch.zeros(0, HIDDEN))
+        want = torch.stack(want_rows) if want_rows else torch.zeros(0, HIDDEN)
+        got = torch.cat(list(embeds)) if embeds else torch.zeros(0, HIDDEN)
+        assert torch.equal(got, want)
+        # The merge's path (spans as plain tensors, no per-item views) reads the same rows.
+        plain = embeds.tensors() if embeds else []
+        assert torch.equal(torch.cat(plain) if plain else torch.zeros(0, HIDDEN), want)
+        assert (embeds.num_rows if embeds else 0) == want.shape[0]
         for e in embeds:
             assert e.modality in ("image", "audio")
         cache.encoder_outputs.update(evicted)
