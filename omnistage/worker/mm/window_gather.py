@@ -40,7 +40,8 @@ _POSITIONS = attrgetter("embed_positions")
 
 class GatheredRows(Sequence[torch.Tensor]):
     """A step's gathered encoder rows, held as ``(output, first row, end row,
-    modality)`` spans of the cached outputs.
+    modality)`` spans of the cached outputs (first row ``None``: the whole
+    output).
 
     As a sequence its elements are read-only views, one per span, each with a
     ``.modality`` attribute; they are made on the first element access and
@@ -52,7 +53,7 @@ class GatheredRows(Sequence[torch.Tensor]):
 
     __slots__ = ("_views", "spans")
 
-    def __init__(self, spans: list[tuple[torch.Tensor, int, int, str]]) -> None:
+    def __init__(self, spans: list[tuple[torch.Tensor, int | None, int, str]]) -> None:
         self.spans = spans
         self._views: list[torch.Tensor] | None = None
 
@@ -63,7 +64,7 @@ class GatheredRows(Sequence[torch.Tensor]):
             with torch.inference_mode():  # cheaper views; they are only read
                 for out, rs, re_, modality in self.spans:
                     # detach() makes a fresh alias (to carry the modality) more cheaply than a slice.
-                    view = out.detach() if rs == 0 and re_ == out.shape[0] else out[rs:re_]
+                    view = out.detach() if rs is None else out[rs:re_]
                     view.modality = modality
                     views.append(view)
             self._views = views
@@ -72,7 +73,7 @@ class GatheredRows(Sequence[torch.Tensor]):
     def tensors(self) -> list[torch.Tensor]:
         """The rows as plain tensors (cached outputs or slices of them), for copying."""
         with torch.inference_mode():
-            return [out if rs == 0 and re_ == out.shape[0] else out[rs:re_] for out, rs, re_, _ in self.spans]
+            return [out if rs is None else out[rs:re_] for out, rs, re_, _ in self.spans]
 
     @property
     def modalities(self) -> list[str]:
@@ -80,7 +81,7 @@ class GatheredRows(Sequence[torch.Tensor]):
 
     @property
     def num_rows(self) -> int:
-        return sum(re_ - rs for _, rs, re_, _ in self.spans)
+        return sum(re_ - (rs or 0) for _, rs, re_, _ in self.spans)
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -143,7 +144,7 @@ def gather_windows(
     hi = list(map(bisect_left, map(_OFFSETS, indices), ends))
     windows = map(getitem, map(_ENTRIES, indices), map(slice, lo, hi))
     outputs = cache.encoder_outputs
-    spans: list[tuple[torch.Tensor, int, int, str]] = []
+    spans: list[tuple[torch.Tensor, int | None, int, str]] = []
     append = spans.append
     skips: list[tuple[int, list[FeatureEntry], list[FeatureEntry]]] = []  # drafter boundary items
     for n, (qs, qe, entries) in enumerate(zip(starts, ends, windows)):
@@ -174,7 +175,7 @@ def gather_windows(
                 _check_output(out, entry, req_ids[n], qs, qe, rs, re_, draft_lookahead)
                 skipped = [entry] if skipped is None else [*skipped, entry]
                 continue
-            append((out, rs, re_, modality))
+            append((out, None if re_ - rs == num_embeds else rs, re_, modality))
         if skipped is not None:
             skips.append((n, indices[n].entries[lo[n] : hi[n]], skipped))
     return GatheredRows(spans), _slot_mask(indices, starts, ends, counts, slots, num_tokens, skips)
