@@ -1,13 +1,16 @@
 """The encoder rows a step's prompt windows consume, and the slots they fill.
 
 Cost model (measured in ``benchmarks/bench_gather_cases.py``): a step's result
-is one tensor view per (request, item) pair, and creating those views is the
-floor (about 0.35 us for an alias, 0.9 us for a slice). Everything else is
-kept below that: the per-request work runs as C-level passes (``map`` over
-the requests' indices for the two bisections and the slice of each item
-list); the per-item loop does one cache lookup, one row-count check, one view
-and one attribute; and the slot mask is not written item by item but joined
-from one bytes slice per request of the prompt's precomputed embed positions.
+is one row span per (request, item) pair, held by a ``GatheredRows``. Making a
+tensor view per item and giving it a ``.modality`` (about 0.35 us for an
+alias, 0.9 us for a slice, plus the attribute) cost more than everything else
+together, so views are made only when elements are read, and the merge copies
+from the cached outputs themselves (slicing only partial items). The rest:
+the per-request work runs as C-level passes (``map`` over the requests'
+indices for the two bisections and the slice of each item list); the
+per-item loop does one cache lookup, one row-count check and one tuple; and
+the slot mask is not written item by item but joined from one bytes slice
+per request of the prompt's precomputed embed positions.
 NumPy over all items was tried for the window arithmetic and lost: turning
 the items' Python ints into arrays costs as much as the arithmetic it saves.
 """
@@ -154,7 +157,7 @@ def gather_windows(
             if off >= qs and end <= qe:  # the whole item is in the window
                 if not num_embeds:
                     continue
-                rs, re_ = 0, num_embeds
+                rs, re_ = None, num_embeds
             else:
                 s = qs - off if qs > off else 0
                 e = qe - off if qe < end else length
@@ -167,15 +170,17 @@ def gather_windows(
                     re_ = cumsum[e - 1]
                     if rs == re_:  # only non-embed positions in the window
                         continue
+                if re_ - rs == num_embeds:  # every row of the item
+                    rs = None
             try:
                 out = outputs[ident]
             except KeyError:
                 out = None
             if out is None or out.shape[0] != num_embeds:
-                _check_output(out, entry, req_ids[n], qs, qe, rs, re_, draft_lookahead)
+                _check_output(out, entry, req_ids[n], qs, qe, rs or 0, re_, draft_lookahead)
                 skipped = [entry] if skipped is None else [*skipped, entry]
                 continue
-            append((out, None if re_ - rs == num_embeds else rs, re_, modality))
+            append((out, rs, re_, modality))
         if skipped is not None:
             skips.append((n, indices[n].entries[lo[n] : hi[n]], skipped))
     return GatheredRows(spans), _slot_mask(indices, starts, ends, counts, slots, num_tokens, skips)
