@@ -272,6 +272,20 @@ def _same_result(a, b) -> bool:
     )
 
 
+def _with_merge_prep(op: Callable[[], object]) -> Callable[[], object]:
+    """``op`` followed by what ``get_inputs_embeds`` does with its rows before
+    the copy: for a ``GatheredRows`` its row count and plain tensors, for a
+    list of views (the baseline) the sum of their row counts."""
+
+    def run():
+        rows, mask = op()
+        if hasattr(rows, "tensors"):
+            return rows.num_rows, rows.tensors(), mask
+        return sum(t.shape[0] for t in rows), rows, mask
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -298,7 +312,7 @@ def main() -> None:
     print(
         "CPU us per call: median (min-max) over interleaved rounds; speedup: median of per-round old/new CPU"
     )
-    header = f"{'case':<34} {'items':>5} {'old cpu us':>20} {'new cpu us':>20} {'speedup':>8} {'IQR':>11} {'wall':>7}"
+    header = f"{'case':<34} {'items':>5} {'old cpu us':>20} {'new cpu us':>20} {'speedup':>8} {'IQR':>11} {'wall':>7} {'+merge':>7}"
     print(header)
     workloads: dict[Shape, Workload] = {}
     for label, shape, lookahead in CASES:
@@ -307,6 +321,8 @@ def main() -> None:
         w = workloads[shape]
         ops = {name: w.op(name, lookahead) for name in implementations}
         results = {name: op() for name, op in ops.items()}
+        ops["old+merge"] = _with_merge_prep(ops["old"])
+        ops["new+merge"] = _with_merge_prep(ops["new"])
         assert _same_result(results["old"], results["new"]), (
             f"{label}: old and new results differ"
         )
@@ -325,6 +341,9 @@ def main() -> None:
                 cpu[name].append((c1 - c0) * 1e6)
                 wall[name].append((w1 - w0) * 1e6)
         ratios = [o / n for o, n in zip(cpu["old"], cpu["new"])]
+        merge_ratio = statistics.median(
+            o / n for o, n in zip(cpu["old+merge"], cpu["new+merge"])
+        )
         cells = [
             f"{statistics.median(t):>6.0f} ({min(t):.0f}-{max(t):.0f})"
             for t in (cpu["old"], cpu["new"])
@@ -333,8 +352,12 @@ def main() -> None:
         wall_ratio = statistics.median(wall["old"]) / statistics.median(wall["new"])
         print(
             f"{label:<34} {items:>5} {cells[0]:>20} {cells[1]:>20} {statistics.median(ratios):>7.2f}x "
-            f"{q[0]:>5.2f}-{q[2]:.2f}x {wall_ratio:>6.2f}x"
+            f"{q[0]:>5.2f}-{q[2]:.2f}x {wall_ratio:>6.2f}x {merge_ratio:>6.2f}x"
         )
+    print(
+        "+merge: median per-round ratio with each side's get_inputs_embeds work before its copy "
+        "(old: sum of the views' rows; new: num_rows and tensors())"
+    )
     print(
         f"spread: interquartile range of the per-round ratios. load after: {os.getloadavg()}"
     )

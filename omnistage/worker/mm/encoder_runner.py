@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from omnistage.worker.mm.encoder_cache import EncoderCache
-from omnistage.worker.mm.window_gather import gather_windows
+from omnistage.worker.mm.window_gather import GatheredRows, gather_windows
 
 __all__ = ["EncoderRunner", "MultiModalEmbedder"]
 
@@ -155,7 +155,7 @@ class EncoderRunner:
         prefill_lens: np.ndarray,
         num_computed_tokens: np.ndarray,
         draft_lookahead: int = 0,
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    ) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
         """Collect the cached encoder rows that the step's tokens consume.
 
         Request i covers prompt positions ``[nc, nc + num_scheduled_tokens[i])``
@@ -165,9 +165,9 @@ class EncoderRunner:
         exactly at the processed end may enter its window; that item is used if
         cached and skipped (token embedding kept) if not. Any other miss raises.
 
-        Returns ``(rows, is_mm_embed)``: read-only views of the encoder
-        outputs, each with a ``.modality`` attribute, ordered by request then
-        offset, and a CPU bool mask ``[total_num_scheduled_tokens]`` of the
+        Returns ``(rows, is_mm_embed)``: a sequence of read-only views of the
+        encoder outputs (a ``GatheredRows``, which makes them on first access),
+        each with a ``.modality`` attribute, ordered by request then offset, and a CPU bool mask ``[total_num_scheduled_tokens]`` of the
         slots they fill. Raises RuntimeError on a miss inside the processed
         range and on a cached output whose row count differs from the item's.
         """
@@ -215,7 +215,7 @@ class EncoderRunner:
     def get_inputs_embeds(
         self,
         input_ids: torch.Tensor,
-        mm_embeds: list[torch.Tensor],
+        mm_embeds: Sequence[torch.Tensor],
         is_mm_embed: torch.Tensor,
     ) -> torch.Tensor:
         """Token embeddings with the gathered rows written over the masked
@@ -241,7 +241,11 @@ class EncoderRunner:
         buffer = self.inputs_embeds[:num_tokens]
         buffer.copy_(token_embeds)
         positions = torch.nonzero(is_mm_embed.cpu()).squeeze(1)
-        num_rows = sum(t.shape[0] for t in mm_embeds)
+        if isinstance(mm_embeds, GatheredRows):  # the gather's spans: no per-item views
+            num_rows = mm_embeds.num_rows
+            mm_embeds = mm_embeds.tensors() if num_rows else []
+        else:
+            num_rows = sum(t.shape[0] for t in mm_embeds)
         if num_rows != positions.numel():
             raise RuntimeError(
                 f"get_inputs_embeds: is_mm_embed marks {positions.numel()} positions "

@@ -1,13 +1,16 @@
 """The encoder rows a step's prompt windows consume, and the slots they fill.
 
 Cost model (measured in ``benchmarks/bench_gather_cases.py``): a step's result
-is one tensor view per (request, item) pair, and creating those views is the
-floor (about 0.35 us for an alias, 0.9 us for a slice). Everything else is
-kept below that: the per-request work runs as C-level passes (``map`` over
-the requests' indices for the two bisections and the slice of each item
-list); the per-item loop does one cache lookup, one row-count check, one view
-and one attribute; and the slot mask is not written item by item but joined
-from one bytes slice per request of the prompt's precomputed embed positions.
+is one row span per (request, item) pair, held by a ``GatheredRows``. Making a
+tensor view per item and giving it a ``.modality`` (about 0.35 us for an
+alias, 0.9 us for a slice, plus the attribute) cost more than everything else
+together, so views are made only when elements are read, and the merge copies
+from the cached outputs themselves (slicing only partial items). The rest:
+the per-request work runs as C-level passes (``map`` over the requests'
+indices for the two bisections and the slice of each item list); the
+per-item loop does one cache lookup, one row-count check and one tuple; and
+the slot mask is not written item by item but joined from one bytes slice
+per request of the prompt's precomputed embed positions.
 NumPy over all items was tried for the window arithmetic and lost: turning
 the items' Python ints into arrays costs as much as the arithmetic it saves.
 """
@@ -15,6 +18,7 @@ the items' Python ints into arrays costs as much as the arithmetic it saves.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
 from itertools import accumulate
 from operator import attrgetter, getitem, is_
 
@@ -27,7 +31,7 @@ from omnistage.worker.mm.encoder_cache import (
     RequestFeatureIndex,
 )
 
-__all__ = ["gather_windows"]
+__all__ = ["GatheredRows", "gather_windows"]
 
 _FEATURES = attrgetter("features")
 _NUM_FEATURES = attrgetter("num_features")
@@ -35,6 +39,71 @@ _MAX_ENDS = attrgetter("max_ends")
 _OFFSETS = attrgetter("offsets")
 _ENTRIES = attrgetter("entries")
 _POSITIONS = attrgetter("embed_positions")
+
+
+class GatheredRows(Sequence[torch.Tensor]):
+    """A step's gathered encoder rows, held as ``(output, first row, end row,
+    modality)`` spans of the cached outputs (first row ``None``: the whole
+    output).
+
+    As a sequence its elements are read-only views, one per span, each with a
+    ``.modality`` attribute; they are made on the first element access and
+    kept. The merge (``EncoderRunner.get_inputs_embeds``) reads ``tensors()``
+    instead: whole items are the cached tensors themselves and only partial
+    items are sliced, so the step pays no per-item view and attribute for
+    rows it only copies.
+    """
+
+    __slots__ = ("_views", "spans")
+
+    def __init__(self, spans: list[tuple[torch.Tensor, int | None, int, str]]) -> None:
+        self.spans = spans
+        self._views: list[torch.Tensor] | None = None
+
+    def views(self) -> list[torch.Tensor]:
+        """One view per span, each carrying its item's ``.modality``."""
+        if self._views is None:
+            views = []
+            with torch.inference_mode():  # cheaper views; they are only read
+                for out, rs, re_, modality in self.spans:
+                    # detach() makes a fresh alias (to carry the modality) more cheaply than a slice.
+                    view = out.detach() if rs is None else out[rs:re_]
+                    view.modality = modality
+                    views.append(view)
+            self._views = views
+        return self._views
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The rows as plain tensors (cached outputs or slices of them), for copying."""
+        with torch.inference_mode():
+            return [out if rs is None else out[rs:re_] for out, rs, re_, _ in self.spans]
+
+    @property
+    def modalities(self) -> list[str]:
+        return [span[3] for span in self.spans]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(re_ - (rs or 0) for _, rs, re_, _ in self.spans)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __bool__(self) -> bool:
+        return bool(self.spans)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.views()[index]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.views())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GatheredRows):
+            other = other.views()
+        return isinstance(other, (list, tuple)) and self.views() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _current_indices(cache: EncoderCache, req_ids: list[str]) -> list[RequestFeatureIndex]:
@@ -59,14 +128,15 @@ def gather_windows(
     slots: list[int],
     num_tokens: int,
     draft_lookahead: int,
-) -> tuple[list[torch.Tensor], np.ndarray]:
+) -> tuple[GatheredRows, np.ndarray]:
     """Rows and slot mask for prompt windows ``[starts[n], starts[n] +
     counts[n])`` placed at batch slots from ``slots[n]`` (one entry per
     request in ``req_ids``; slots already checked to lie within
     ``[0, num_tokens)``).
 
-    Returns views ordered by request then offset, each with ``.modality``, and
-    a writable bool array ``[num_tokens]``. A missing output raises, except a
+    Returns the rows ordered by request then offset (a ``GatheredRows``: its
+    elements are views, each with ``.modality``) and a writable bool array
+    ``[num_tokens]``. A missing output raises, except a
     drafter boundary item (starting within ``draft_lookahead`` of the window's
     end), which is skipped; so does a cached output whose row count is not
     the item's ``get_num_embeds()``.
@@ -77,54 +147,43 @@ def gather_windows(
     hi = list(map(bisect_left, map(_OFFSETS, indices), ends))
     windows = map(getitem, map(_ENTRIES, indices), map(slice, lo, hi))
     outputs = cache.encoder_outputs
-    rows: list[torch.Tensor] = []
-    append = rows.append
+    spans: list[tuple[torch.Tensor, int | None, int, str]] = []
+    append = spans.append
     skips: list[tuple[int, list[FeatureEntry], list[FeatureEntry]]] = []  # drafter boundary items
-    with torch.inference_mode():  # cheaper views; they are only read
-        for n, (qs, qe, entries) in enumerate(zip(starts, ends, windows)):
-            skipped = None
-            for entry in entries:
-                off, length, ident, modality, cumsum, _, num_embeds, end = entry
-                if off >= qs and end <= qe:  # the whole item is in the window
-                    if not num_embeds:
-                        continue
-                    try:
-                        out = outputs[ident]
-                    except KeyError:
-                        out = None
-                    if out is None or out.shape[0] != num_embeds:
-                        _check_output(out, entry, req_ids[n], qs, qe, 0, num_embeds, draft_lookahead)
-                        skipped = [entry] if skipped is None else [*skipped, entry]
-                        continue
-                    # detach() makes a fresh alias (to carry the modality) more
-                    # cheaply than a slice.
-                    item = out.detach()
+    for n, (qs, qe, entries) in enumerate(zip(starts, ends, windows)):
+        skipped = None
+        for entry in entries:
+            off, length, ident, modality, cumsum, _, num_embeds, end = entry
+            if off >= qs and end <= qe:  # the whole item is in the window
+                if not num_embeds:
+                    continue
+                rs, re_ = None, num_embeds
+            else:
+                s = qs - off if qs > off else 0
+                e = qe - off if qe < end else length
+                if s >= e:  # a span nested in an earlier, longer one
+                    continue
+                if cumsum is None:
+                    rs, re_ = s, e
                 else:
-                    s = qs - off if qs > off else 0
-                    e = qe - off if qe < end else length
-                    if s >= e:  # a span nested in an earlier, longer one
+                    rs = cumsum[s - 1] if s else 0
+                    re_ = cumsum[e - 1]
+                    if rs == re_:  # only non-embed positions in the window
                         continue
-                    if cumsum is None:
-                        rs, re_ = s, e
-                    else:
-                        rs = cumsum[s - 1] if s else 0
-                        re_ = cumsum[e - 1]
-                        if rs == re_:  # only non-embed positions in the window
-                            continue
-                    try:
-                        out = outputs[ident]
-                    except KeyError:
-                        out = None
-                    if out is None or out.shape[0] != num_embeds:
-                        _check_output(out, entry, req_ids[n], qs, qe, rs, re_, draft_lookahead)
-                        skipped = [entry] if skipped is None else [*skipped, entry]
-                        continue
-                    item = out.detach() if re_ - rs == num_embeds else out[rs:re_]
-                item.modality = modality
-                append(item)
-            if skipped is not None:
-                skips.append((n, indices[n].entries[lo[n] : hi[n]], skipped))
-    return rows, _slot_mask(indices, starts, ends, counts, slots, num_tokens, skips)
+                if re_ - rs == num_embeds:  # every row of the item
+                    rs = None
+            try:
+                out = outputs[ident]
+            except KeyError:
+                out = None
+            if out is None or out.shape[0] != num_embeds:
+                _check_output(out, entry, req_ids[n], qs, qe, rs or 0, re_, draft_lookahead)
+                skipped = [entry] if skipped is None else [*skipped, entry]
+                continue
+            append((out, rs, re_, modality))
+        if skipped is not None:
+            skips.append((n, indices[n].entries[lo[n] : hi[n]], skipped))
+    return GatheredRows(spans), _slot_mask(indices, starts, ends, counts, slots, num_tokens, skips)
 
 
 def _slot_mask(

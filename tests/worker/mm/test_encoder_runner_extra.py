@@ -353,8 +353,13 @@ def test_chunked_prefill_gathers_exactly_the_right_rows(seed, draft_lookahead):
                 want_rows += rows
             start += n
         assert torch.nonzero(mask).squeeze(1).tolist() == want_slots
-        got = torch.cat(embeds) if embeds else torch.zeros(0, HIDDEN)
-        assert torch.equal(got, torch.stack(want_rows) if want_rows else torch.zeros(0, HIDDEN))
+        want = torch.stack(want_rows) if want_rows else torch.zeros(0, HIDDEN)
+        got = torch.cat(list(embeds)) if embeds else torch.zeros(0, HIDDEN)
+        assert torch.equal(got, want)
+        # The merge's path (spans as plain tensors, no per-item views) reads the same rows.
+        plain = embeds.tensors() if embeds else []
+        assert torch.equal(torch.cat(plain) if plain else torch.zeros(0, HIDDEN), want)
+        assert (embeds.num_rows if embeds else 0) == want.shape[0]
         for e in embeds:
             assert e.modality in ("image", "audio")
         cache.encoder_outputs.update(evicted)
@@ -521,3 +526,25 @@ def test_missing_boundary_item_sharing_placeholders_keeps_the_gathered_items_slo
     embeds, mask = _gather(_runner(cache), ["r"], [0], [8], [100], draft_lookahead=1)
     assert [e.modality for e in embeds] == ["image"]  # audio has no embed at position 8
     assert mask.tolist() == [True] * 7 + [False]
+
+
+def test_gathered_rows_views_on_access_and_merge_from_spans():
+    """The gather's result: views with .modality made on access (kept), whole
+    items served to the merge as the cached tensors themselves, and the merge
+    from spans equal to the merge from the views."""
+    model = FakeModel()
+    cache = EncoderCache()
+    whole, cut = _feature("w", 1, 3), _feature("c", 6, 4, torch.tensor([True, False, True, True]), "audio")
+    cache.add_request("r", [whole, cut])
+    cache.encoder_outputs.update({"w": _rows(whole), "c": _rows(cut)})
+    runner = _runner(cache, model, max_num_tokens=16)
+    rows, mask = _gather(runner, ["r"], [0], [8], [12])  # "c" cut after its second position
+    assert len(rows) == 2 and rows.modalities == ["image", "audio"] and rows.num_rows == 4
+    plain = rows.tensors()
+    assert plain[0] is cache.encoder_outputs["w"] and torch.equal(plain[1], _rows(cut)[:1])
+    assert [e.modality for e in rows] == ["image", "audio"] and rows[0] is rows.views()[0]
+    assert torch.equal(rows[1], _rows(cut)[:1]) and rows != [] and rows == rows.views()
+    ids = torch.arange(8)
+    from_views = runner.get_inputs_embeds(ids, list(rows), mask).clone()
+    assert torch.equal(runner.get_inputs_embeds(ids, rows, mask), from_views)
+    assert torch.equal(from_views[1:4], _rows(whole)) and torch.equal(from_views[6], _rows(cut)[0])
