@@ -35,6 +35,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BATCH16 = [f"{p} #{i}" for i in range(4) for p in PROMPTS]
 
 
+@pytest.fixture(autouse=True)
+def _draft_every_step(always_draft):
+    """These tests cover verification, rollback and caching: the draft policy
+    asks the head for full runs every step (its EAGLE behaviour is tested in
+    test_spec_policy.py)."""
+
+
 def _bigram(path: Path) -> None:
     for f in path.glob("*.safetensors"):
         sd = load_file(f)
