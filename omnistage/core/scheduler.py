@@ -336,12 +336,12 @@ class Scheduler:
         Penalties and ``min_tokens`` are verified exactly (each draft
         position's rules read the drafts before it, as if decoded one by
         one), and per-token outputs for a later stage are fine (the worker
-        returns and caches the verified tokens' rows only). Not yet: logprobs
-        (one entry per emitted token would be needed) and model inputs beyond
-        token ids (payloads). Those decode one token a step as without
-        speculation.
+        returns and caches the verified tokens' rows only), and so are logprobs
+        (one entry per emitted token, from the logits at its position). Not
+        yet: model inputs beyond token ids (payloads); those decode one token
+        a step as without speculation.
         """
-        return request.payload is None and request.sampling_params.logprobs is None
+        return request.payload is None
 
     def _allocate_drafts(self) -> dict[str, int]:
         """The draft policy's split of this step's drafts over the running requests that decode."""
