@@ -37,10 +37,10 @@ The n-gram proposer is plain Python over the request's tokens, so its
 shadow is free. A drafter whose proposals cost a forward (EAGLE) has no
 shadow: ``observe`` takes each verified run, and a request the allocation
 leaves at zero drafts is probed (``drafter_drafts``): one full-``k`` run
-first, then one after 4, 8, ... up to 64 idle sampling steps (exponential
-back-off, reset once the allocation drafts again), so a request whose text
-turns predictable is noticed, and a head that never agrees costs a probe
-every 64 tokens at most.
+first, then a one-draft run after 4, 8, ... up to 64 idle sampling steps
+(exponential back-off, reset once the allocation drafts again), so a
+request whose text turns predictable is noticed, and a head that never
+agrees costs a one-draft probe every 64 tokens at most.
 """
 
 from __future__ import annotations
@@ -161,16 +161,21 @@ class DraftPolicy:
 
     def drafter_drafts(self, state: DraftState, allocated: int) -> int:
         """Drafts a costly drafter proposes for a request the allocation gave
-        ``allocated``: that many, or ``max_k`` for a probe when it is zero and
-        one is due (one call per sampling step; deterministic)."""
+        ``allocated``: that many, or a probe when it is zero and one is due
+        (``max_k`` before any run, then one draft); one call per sampling step,
+        deterministic."""
         if allocated > 0:
             state.probe_wait, state.probe_gap = PROBE_FIRST_GAP, PROBE_FIRST_GAP
             return allocated
         if state.probe_wait > 0:
             state.probe_wait -= 1
             return 0
+        first = state.num_runs == 0
         state.probe_wait, state.probe_gap = state.probe_gap, min(2 * state.probe_gap, PROBE_MAX_GAP)
-        return self.max_k
+        # The first run measures at full length; later probes verify one draft (a verify
+        # of 2 tokens costs about a decode step; each further draft costs a head step and
+        # more verify), enough to notice agreement and raise the estimate.
+        return self.max_k if first else 1
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
         """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept."""

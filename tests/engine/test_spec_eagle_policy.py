@@ -21,16 +21,20 @@ LONG = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 def test_probes_back_off_exponentially_and_reset_when_drafting_pays():
     policy, state = DraftPolicy(max_k=K), DraftState()
-    asks = [policy.drafter_drafts(state, 0) for _ in range(1 + 5 + 9 + 17)]
+    asks = []
+    for _ in range(1 + 5 + 9 + 17):
+        asks.append(policy.drafter_drafts(state, 0))
+        if asks[-1]:
+            policy.observe(state, asks[-1], 0)
     probes = [i for i, k in enumerate(asks) if k]
     assert probes == [0, 1 + PROBE_FIRST_GAP, 2 + 3 * PROBE_FIRST_GAP, 3 + 7 * PROBE_FIRST_GAP]
-    assert all(asks[i] == K for i in probes)
+    assert [asks[i] for i in probes] == [K, 1, 1, 1]  # full length before any run, then one draft
     for _ in range(200):
         policy.drafter_drafts(state, 0)
     assert state.probe_gap == PROBE_MAX_GAP
     assert policy.drafter_drafts(state, 2) == 2  # the allocation drafts again: back-off resets
     assert state.probe_gap == PROBE_FIRST_GAP
-    assert [policy.drafter_drafts(state, 0) for _ in range(PROBE_FIRST_GAP + 1)][-1] == K
+    assert [policy.drafter_drafts(state, 0) for _ in range(PROBE_FIRST_GAP + 1)][-1] == 1
 
 
 def test_random_head_stops_drafting_with_identical_outputs(targets):  # noqa: F811 (the imported fixture)
