@@ -7,7 +7,11 @@ both emit the same tokens, which is checked):
    the typos in a paragraph, extract the sentences that mention a word,
    edit a function): decode tokens/s with ``ngram`` vs off, batch 1 and
    batch 8 (targets 1.5x and 1.2x);
-2. open-ended chat prompts at batch 1 and 8 (target 0.97x: never a slowdown);
+2. open-ended chat prompts at batch 1 and 8 (target 0.97x: never a slowdown),
+   with ``ngram`` and with ``eagle`` and a random head (written here with the
+   model's width: it agrees with the model almost never, so the row shows
+   what the draft policy's probes with back-off plus the head's own pass over
+   every verified token (its KV, run each step) cost; target 0.97x);
 3. the cost of a step that verifies ``k`` drafts relative to a one-token
    decode step, ``k = 1..8``, at batch 1 and 8 (drafts forced to a token
    the model will not emit, so every step emits one token): it sets what
@@ -32,7 +36,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,6 +46,7 @@ from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.stage_engine import LLMEngine
 from omnistage.models.loader import load_model
 from omnistage.sampling_params import SamplingParams
+from omnistage.testing.tiny_eagle import write_tiny_eagle_head
 
 NGRAM = {
     "method": "ngram",
@@ -172,9 +179,13 @@ def main() -> None:
     loaded = load_model(None)
     off = LLMEngine(EngineArgs(), loaded_model=loaded)
     on = LLMEngine(EngineArgs(speculative_config=NGRAM), loaded_model=loaded)
+    head = write_tiny_eagle_head(loaded.model_path, Path(tempfile.mkdtemp(prefix="bench_spec_eagle_")) / "head")
+    eagle_cfg = {"method": "eagle", "model": str(head), "num_speculative_tokens": 4}
+    eagle = LLMEngine(EngineArgs(speculative_config=eagle_cfg), loaded_model=loaded)
+    engines = {"ngram": on, "eagle-rand": eagle}
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     warm = [off.encode_chat([{"role": "user", "content": f"Say hi #{i}"}]) for i in range(2)]
-    for eng in (off, on):
+    for eng in (off, on, eagle):
         run(
             eng,
             warm,
@@ -183,7 +194,7 @@ def main() -> None:
         )
 
     rows = []
-    for kind in ("copy", "chat"):
+    for method, kind in (("ngram", "copy"), ("ngram", "chat"), ("eagle-rand", "chat")):
         for batch in (1, 8):
             tps = {False: [], True: []}
             ratios, same, drafts, accepted, runs, tokens = [], True, 0, 0, 0, 0
@@ -192,9 +203,9 @@ def main() -> None:
                 order = (False, True) if r % 2 == 0 else (True, False)
                 got = {}
                 for spec in order:
-                    eng = on if spec else off
+                    eng = engines[method] if spec else off
                     tps[spec].append(0.0)
-                    tps[spec][-1], got[spec] = run(eng, prompts, params, f"{kind}{batch}-{r}-{int(spec)}")
+                    tps[spec][-1], got[spec] = run(eng, prompts, params, f"{method}{kind}{batch}-{r}-{int(spec)}")
                 ratios.append(tps[True][-1] / tps[False][-1])
                 same &= [o.outputs[0].token_ids for o in got[True]] == [o.outputs[0].token_ids for o in got[False]]
                 for o in got[True]:
@@ -205,24 +216,25 @@ def main() -> None:
                         runs + m.num_drafts,
                     )
                     tokens += len(o.outputs[0].token_ids)
-            rows.append((kind, batch, tps, ratios, same, drafts, accepted, runs, tokens))
+            rows.append((method, kind, batch, tps, ratios, same, drafts, accepted, runs, tokens))
 
     cost_steps, cost_reps = (6, 1) if args.quick else (12, 2)
     costs = {b: verify_cost(on, b, cost_steps, cost_reps) for b in (1, 8)}
     load_after = os.getloadavg()
 
-    print(f"\nngram speculative decoding vs off, {loaded.name}, {torch.get_num_threads()} threads, "
-          f"{new_tokens} new tokens, {reps} interleaved pairs; k_max={NGRAM['num_speculative_tokens']}")  # fmt: skip
+    print(f"\nspeculative decoding vs off, {loaded.name}, {torch.get_num_threads()} threads, "
+          f"{new_tokens} new tokens, {reps} interleaved pairs; ngram k_max={NGRAM['num_speculative_tokens']}, "
+          f"eagle-rand (random head) k={eagle_cfg['num_speculative_tokens']}")  # fmt: skip
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-min; {os.cpu_count()} CPUs)")
-    head = f"{'workload':<9}{'batch':>6}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>8}{'spread':>14}{'target':>8}  ok"
+    head = f"{'method':<11}{'workload':<9}{'batch':>6}{'off tok/s':>11}{'spec tok/s':>13}{'ratio':>8}{'spread':>14}{'target':>8}  ok"
     print(head + f"{'accept':>8}{'mean len':>9}{'drafted/tok':>12}  same tokens")
-    for kind, batch, tps, ratios, same, drafts, accepted, runs, tokens in rows:
+    for method, kind, batch, tps, ratios, same, drafts, accepted, runs, tokens in rows:
         ratio = statistics.median(ratios)
         target = TARGETS[kind, batch]
         rate = f"{accepted / drafts:.2f}" if drafts else "-"
         mean_len = f"{1 + accepted / runs:.2f}" if runs else "-"
         print(
-            f"{kind:<9}{batch:>6}{statistics.median(tps[False]):>11.1f}{statistics.median(tps[True]):>13.1f}"
+            f"{method:<11}{kind:<9}{batch:>6}{statistics.median(tps[False]):>11.1f}{statistics.median(tps[True]):>13.1f}"
             f"{ratio:>7.2f}x{f'{min(ratios):.2f}..{max(ratios):.2f}':>14}{'>=' + str(target):>8}  "
             f"{'yes' if ratio >= target else 'NO':<3}{rate:>8}{mean_len:>9}{drafts / max(tokens, 1):>12.2f}  {same}"
         )

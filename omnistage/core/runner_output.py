@@ -28,6 +28,9 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Log-probability of the sampled token, and of the top-k when asked.
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Requests that verified drafts and asked for logprobs: one such entry per
+    # token of ``spec_sampled_token_ids`` (each from the logits at its position).
+    spec_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # Per-request per-token tensors for a downstream stage (prefix rows merged
     # in from the tensor prefix cache on a hit); None when no stage reads them.
     hidden_states: dict[str, torch.Tensor] | None = None

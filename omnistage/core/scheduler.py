@@ -85,10 +85,12 @@ class Scheduler:
     covers, when the pool has it free, the ``k - 1`` slots the drafter writes
     past the last verified token; its encoder plan looks one position ahead
     (see ``EncoderScheduler``).
-    With n-gram proposals, how many drafts a request gets is ``DraftPolicy``'s call (its measured
+    How many drafts a request gets is ``DraftPolicy``'s call (its measured
     acceptance against the step's verify cost, see ``core/spec_policy.py``):
-    open-ended text stops drafting, and its proposals are scored in the
-    shadow until it copies again.
+    open-ended text stops drafting. N-gram proposals are scored in the
+    shadow until it copies again; a worker drafter is asked for the policy's
+    allocation (computed when the request samples, for its next step), fed
+    each verified run, and probes a request that stopped with back-off.
 
     Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
     window may shrink to stop before an item that cannot be encoded this
@@ -116,8 +118,8 @@ class Scheduler:
         self.num_drafts = 0
         self._worth_drafting: dict[str, int] = {}  # this step's drafts per request, the policy's allocation
         spec = config.speculative_config
-        # The n-gram method's per-request policy (a worker drafter proposes its configured k).
-        self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None and not spec.uses_drafter else None
+        self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None else None
+        self._drafter_ks: dict[str, int] = {}  # this step's worker-drafter asks, decided once per request
         self.accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         self.encoder: EncoderScheduler | None = None
         if config.encoder_cache_size > 0:
@@ -241,6 +243,7 @@ class Scheduler:
 
         # 1. Running requests: decodes and the next chunk of unfinished prefills.
         self._worth_drafting = self._allocate_drafts()
+        self._drafter_ks = {}
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -333,12 +336,12 @@ class Scheduler:
         Penalties and ``min_tokens`` are verified exactly (each draft
         position's rules read the drafts before it, as if decoded one by
         one), and per-token outputs for a later stage are fine (the worker
-        returns and caches the verified tokens' rows only). Not yet: logprobs
-        (one entry per emitted token would be needed) and model inputs beyond
-        token ids (payloads). Those decode one token a step as without
-        speculation.
+        returns and caches the verified tokens' rows only), and so are logprobs
+        (one entry per emitted token, from the logits at its position). Not
+        yet: model inputs beyond token ids (payloads); those decode one token
+        a step as without speculation.
         """
-        return request.payload is None and request.sampling_params.logprobs is None
+        return request.payload is None
 
     def _allocate_drafts(self) -> dict[str, int]:
         """The draft policy's split of this step's drafts over the running requests that decode."""
@@ -352,7 +355,7 @@ class Scheduler:
             cap = policy.max_k if left is None else min(policy.max_k, left - r.num_output_tokens - 1)
             caps.append(cap if self.can_speculate(r) else 0)
         ks = policy.allocate([r.draft_state for r in decoding], caps)
-        return {r.request_id: k for r, k in zip(decoding, ks) if k}
+        return {r.request_id: k for r, k in zip(decoding, ks)}
 
     def _propose(self, request: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for a decode step (``n == 1``, the last known token
@@ -387,9 +390,19 @@ class Scheduler:
 
     def _num_drafts(self, request: Request) -> int:
         """How many tokens a worker drafter proposes for ``request`` after this step
-        (the seam for a per-request policy; ``_propose`` cuts them to what fits)."""
-        cfg = self.config.speculative_config
-        return 0 if cfg is None else cfg.num_speculative_tokens
+        (it samples this step): the policy's allocation for the step's decoding
+        batch, or a probe (``DraftPolicy.drafter_drafts``); decided once per
+        step. ``_propose`` cuts them to what fits."""
+        policy = self.draft_policy
+        if policy is None:
+            return 0
+        rid = request.request_id
+        if rid not in self._drafter_ks:
+            allocated = self._worth_drafting.get(rid)
+            if allocated is None:  # its prefill ends this step: priced as one more of the batch
+                allocated = policy.num_drafts(request.draft_state, len(self._worth_drafting) + 1)
+            self._drafter_ks[rid] = policy.drafter_drafts(request.draft_state, allocated)
+        return self._drafter_ks[rid]
 
     def _request_drafts(self, request: Request, num_drafts: int, draft_requests: dict[str, int]) -> None:
         """Ask the worker's drafter for ``request``'s next drafts when it samples this step."""
@@ -504,6 +517,8 @@ class Scheduler:
                 # The rejected drafts' KV is garbage: the next step recomputes from there.
                 request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
                 self._count_drafts(request, len(drafts), len(tokens) - 1)
+                if self.config.speculative_config.uses_drafter:  # no shadow: the verified run is the evidence
+                    self.draft_policy.observe(request.draft_state, len(drafts), len(tokens) - 1)
             kv.cache_blocks(request, request.num_computed_tokens)  # their KV exists now
             if self.encoder is not None:
                 self.encoder.free_computed(request)
@@ -525,7 +540,7 @@ class Scheduler:
                 status = request.check_stop(self.max_len(request))
                 if status is not None:
                     break
-            if self.draft_policy is not None:
+            if self.draft_policy is not None and not self.config.speculative_config.uses_drafter:
                 self.draft_policy.observe_tokens(request.draft_state, tokens)
             if self.config.enable_prefix_caching:
                 update_block_hashes(request, self.block_size)

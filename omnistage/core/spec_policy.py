@@ -33,9 +33,14 @@ with probability ``p(d)``). So a request that stopped drafting notices at
 no cost when its text starts copying again, open-ended text pays nothing
 for being watched, and a run verified short of its proposal still counts
 the rest (a copying request reaches full-length runs after one proposal).
-The proposer is plain Python over the request's tokens (n-gram lookup); a
-drafter whose proposals cost a forward would feed ``observe`` from its
-verified runs and probe instead.
+The n-gram proposer is plain Python over the request's tokens, so its
+shadow is free. A drafter whose proposals cost a forward (EAGLE) has no
+shadow: ``observe`` takes each verified run, and a request the allocation
+leaves at zero drafts is probed (``drafter_drafts``): one full-``k`` run
+first, then a one-draft run after 4, 8, ... up to 64 idle sampling steps
+(exponential back-off, reset once the allocation drafts again), so a
+request whose text turns predictable is noticed, and a head that never
+agrees costs a one-draft probe every 64 tokens at most.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ DEFAULT_DECAY = 0.8
 # batch 1 and at moderate batches) with the weight of two runs.
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
+# A drafter's probes of a request that stopped drafting: the first idle gap
+# (in sampling steps) and the longest one (each failed probe doubles it).
+PROBE_FIRST_GAP = 4
+PROBE_MAX_GAP = 64
 
 
 @dataclass
@@ -77,6 +86,8 @@ class DraftState:
     shadow: list[int] = field(default_factory=list)  # unverified proposal being scored
     shadow_matched: int = 0  # its tokens matched so far
     num_runs: int = 0  # draft runs observed, verified or in the shadow
+    probe_wait: int = 0  # drafter only: idle sampling steps left before the next probe (0: probe now)
+    probe_gap: int = PROBE_FIRST_GAP  # drafter only: the idle gap after the next probe
 
     @property
     def acceptance(self) -> float:
@@ -147,6 +158,24 @@ class DraftPolicy:
     def num_drafts(self, state: DraftState, batch_size: int = 1) -> int:
         """Drafts worth verifying for one request in a step of ``batch_size`` like it."""
         return self.allocate([state] * batch_size, [self.max_k] * batch_size)[0]
+
+    def drafter_drafts(self, state: DraftState, allocated: int) -> int:
+        """Drafts a costly drafter proposes for a request the allocation gave
+        ``allocated``: that many, or a probe when it is zero and one is due
+        (``max_k`` before any run, then one draft); one call per sampling step,
+        deterministic."""
+        if allocated > 0:
+            state.probe_wait, state.probe_gap = PROBE_FIRST_GAP, PROBE_FIRST_GAP
+            return allocated
+        if state.probe_wait > 0:
+            state.probe_wait -= 1
+            return 0
+        first = state.num_runs == 0
+        state.probe_wait, state.probe_gap = state.probe_gap, min(2 * state.probe_gap, PROBE_MAX_GAP)
+        # The first run measures at full length; later probes verify one draft (a verify
+        # of 2 tokens costs about a decode step; each further draft costs a head step and
+        # more verify), enough to notice agreement and raise the estimate.
+        return self.max_k if first else 1
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
         """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept."""

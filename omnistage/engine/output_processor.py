@@ -228,14 +228,21 @@ class OutputProcessor:
             if new_ids:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
-                logprobs = runner_output.logprobs.get(req.request_id)
-                if comp.stop and len(new_ids) > 1:
-                    # Several tokens in one step (speculative decoding): a stop string is
-                    # looked for after each, so no token past it is reported.
+                # One logprobs entry per token (a verified run has one per emitted token;
+                # the scheduler kept a prefix of them).
+                per_token = runner_output.spec_logprobs.get(req.request_id)
+                if per_token is None:
+                    per_token = [runner_output.logprobs.get(req.request_id)] if len(new_ids) == 1 else None
+                if len(new_ids) > 1 and (comp.stop or per_token is not None):
+                    # Several tokens in one step (speculative decoding): each is added on its
+                    # own, and a stop string is looked for after each, so no token past it is reported.
                     last = len(new_ids) - 1
-                    stop = any(comp.add_token_ids([t], logprobs, more=i < last) for i, t in enumerate(new_ids))
+                    stop = any(
+                        comp.add_token_ids([t], per_token[i] if per_token else None, more=i < last)
+                        for i, t in enumerate(new_ids)
+                    )
                 else:
-                    stop = comp.add_token_ids(new_ids, logprobs)
+                    stop = comp.add_token_ids(new_ids, per_token[0] if per_token else None)
                 if stop and not req.finished:
                     stopped.append(req.request_id)
             elif req.finished:

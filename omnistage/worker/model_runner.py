@@ -524,11 +524,17 @@ class ModelRunner:
         md = self.sampling_state.metadata(batch, rep_rows, rep_ids, drafted)
         verify_rows = hidden.index_select(0, torch.tensor(spec_pos, device=self.device))
         greedy_tokens = getattr(self.model, "greedy_token_ids", None)
+        raw_logprobs = None
         if md.plain_greedy and greedy_tokens is not None:  # the same argmax a plain decode takes
             emitted = self.rejection_sampler(None, md, spec_drafts, self.generator, greedy_tokens(verify_rows))
         else:
             logits = self.model.compute_logits(verify_rows)
+            if md.num_logprobs is not None:  # the raw distribution at each position, as a plain decode reports
+                raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
             emitted = self.rejection_sampler(logits, md, spec_drafts, self.generator)
+        if raw_logprobs is not None:
+            assert md.num_logprobs is not None
+            out.spec_logprobs = _run_logprob_lists(spec_ids, spec_drafts, emitted, md.num_logprobs, raw_logprobs)
         for req_id, tokens in zip(spec_ids, emitted):
             for token in tokens:
                 batch.append_token(req_id, token)
@@ -543,16 +549,63 @@ def _logprob_dicts(
     req_ids: list[str], token_ids: list[int], num_logprobs: list[int], sampled: SamplerOutput
 ) -> dict[str, dict[int, float]]:
     """``{token: logprob}`` per request that asked: the sampled token and its top-N."""
+    asked = np.flatnonzero(np.asarray(num_logprobs) >= 0).tolist()
+    entries = _logprob_entries(asked, token_ids, num_logprobs, sampled)
+    return {req_ids[i]: d for i, d in zip(asked, entries)}
+
+
+def _logprob_entries(
+    rows: list[int], token_ids: list[int], num_logprobs: list[int], sampled: SamplerOutput
+) -> list[dict[int, float]]:
+    """``{token: logprob}`` for each of ``rows``: its token, then its top-N (``num_logprobs[row]``)."""
     assert sampled.sampled_logprobs is not None
     lp = sampled.sampled_logprobs.tolist()
     top_ids = sampled.topk_token_ids.tolist() if sampled.topk_token_ids is not None else None
     top_lp = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
-    out: dict[str, dict[int, float]] = {}
-    for i in np.flatnonzero(np.asarray(num_logprobs) >= 0):
+    out = []
+    for i in rows:
         d = {token_ids[i]: lp[i]}
         n = num_logprobs[i]
-        if n and top_ids is not None:
+        if n and top_ids is not None and top_lp is not None:
             for t, v in zip(top_ids[i][:n], top_lp[i][:n]):
                 d.setdefault(t, v)
-        out[req_ids[i]] = d
+        out.append(d)
+    return out
+
+
+def _run_logprob_lists(
+    req_ids: list[str],
+    drafts: list[list[int]],
+    emitted: list[list[int]],
+    num_logprobs: list[int],
+    raw_logprobs: torch.Tensor,
+) -> dict[str, list[dict[int, float]]]:
+    """One ``{token: logprob}`` per emitted token of each speculating request that
+    asked (``raw_logprobs``: a row per verified position, each request's ``1 + k``
+    in turn): token ``j`` of a run reads row ``j`` of it, the logits a plain decode
+    of that token would have sampled from."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    start = 0
+    for d, toks in zip(drafts, emitted):
+        if num_logprobs[start] >= 0:
+            rows.extend(range(start, start + len(toks)))
+            tokens.extend(toks)
+        start += len(d) + 1
+    if not rows:
+        return {}
+    sel = raw_logprobs.index_select(0, torch.tensor(rows, device=raw_logprobs.device))
+    token_t = torch.tensor(tokens, device=sel.device)
+    n = max(num_logprobs[r] for r in rows)
+    sampled = SamplerOutput(token_t, sel.gather(1, token_t.unsqueeze(1)).squeeze(1))
+    if n > 0:
+        sampled.topk_logprobs, sampled.topk_token_ids = sel.topk(n, dim=-1)
+    entries = _logprob_entries(list(range(len(rows))), tokens, [num_logprobs[r] for r in rows], sampled)
+    out: dict[str, list[dict[int, float]]] = {}
+    start, i = 0, 0
+    for req_id, d, toks in zip(req_ids, drafts, emitted):
+        if num_logprobs[start] >= 0:
+            out[req_id] = entries[i : i + len(toks)]
+            i += len(toks)
+        start += len(d) + 1
     return out

@@ -35,6 +35,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BATCH16 = [f"{p} #{i}" for i in range(4) for p in PROMPTS]
 
 
+@pytest.fixture(autouse=True)
+def _draft_every_step(always_draft):
+    """These tests cover verification, rollback and caching: the draft policy
+    asks the head for full runs every step (its EAGLE behaviour is tested in
+    test_spec_policy.py)."""
+
+
 def _bigram(path: Path) -> None:
     for f in path.glob("*.safetensors"):
         sd = load_file(f)
@@ -264,3 +271,25 @@ def test_embedded_default_model_with_a_random_head(tmp_path):
     assert _tokens(run_all(on, prompts, params)) == ref
     assert on.get_stats().num_draft_tokens > 0
     _drain_and_check_clean(on)
+
+
+@pytest.mark.parametrize("kind", ["random", "accepting"])
+def test_logprobs_equal_speculation_off(kind, targets):
+    """Requests with logprobs speculate: one entry per emitted token, as speculation off reports it."""
+    from test_spec_ngram import assert_same_logprobs
+
+    loaded, head, _ = targets("qwen2", kind)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5),
+    ]
+    off = run_all(make_engine(loaded), PROMPTS, params)
+    engine = make_engine(loaded, speculative_config=_eagle(head))
+    on = run_all(engine, PROMPTS, params)
+    assert_same_logprobs(on, off)
+    assert all(o.metrics.num_drafts > 0 for o in on)
+    if kind == "accepting":
+        assert all(o.metrics.num_accepted_tokens > 0 for o in on)
+    _drain_and_check_clean(engine)

@@ -60,6 +60,13 @@ class Target:
         return {"method": "eagle", "model": self.head, "num_speculative_tokens": k}
 
 
+@pytest.fixture(autouse=True)
+def _draft_every_step(always_draft):
+    """These tests cover verification, rollback and caching: the draft policy
+    asks the head for full runs every step (its EAGLE behaviour is tested in
+    test_spec_policy.py)."""
+
+
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict[str, Target]:
     root = tmp_path_factory.mktemp("spec_eagle_mm")

@@ -1,0 +1,79 @@
+"""The draft policy with an EAGLE head: the head is asked for the policy's allocation,
+fed each verified run, and a request that stopped drafting is probed with back-off.
+
+Outputs always equal speculation off. A random head (it agrees with the target
+almost never) stops drafting after its first runs and is probed rarely; the
+accepting head (``mimic_target_layer=True`` on a bigram target) keeps full runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_spec_eagle import _eagle, _tokens, targets  # noqa: F401  (targets is a fixture)
+from utils_engine import PROMPTS, make_engine, run_all
+
+from omnistage.core.spec_policy import PROBE_FIRST_GAP, PROBE_MAX_GAP, DraftPolicy, DraftState
+from omnistage.sampling_params import SamplingParams
+
+K = 3
+LONG = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def test_probes_back_off_exponentially_and_reset_when_drafting_pays():
+    policy, state = DraftPolicy(max_k=K), DraftState()
+    asks = []
+    for _ in range(1 + 5 + 9 + 17):
+        asks.append(policy.drafter_drafts(state, 0))
+        if asks[-1]:
+            policy.observe(state, asks[-1], 0)
+    probes = [i for i, k in enumerate(asks) if k]
+    assert probes == [0, 1 + PROBE_FIRST_GAP, 2 + 3 * PROBE_FIRST_GAP, 3 + 7 * PROBE_FIRST_GAP]
+    assert [asks[i] for i in probes] == [K, 1, 1, 1]  # full length before any run, then one draft
+    for _ in range(200):
+        policy.drafter_drafts(state, 0)
+    assert state.probe_gap == PROBE_MAX_GAP
+    assert policy.drafter_drafts(state, 2) == 2  # the allocation drafts again: back-off resets
+    assert state.probe_gap == PROBE_FIRST_GAP
+    assert [policy.drafter_drafts(state, 0) for _ in range(PROBE_FIRST_GAP + 1)][-1] == 1
+
+
+def test_random_head_stops_drafting_with_identical_outputs(targets):  # noqa: F811 (the imported fixture)
+    loaded, head, _ = targets("llama", "random")
+    off = _tokens(run_all(make_engine(loaded), PROMPTS, LONG))
+    on = make_engine(loaded, speculative_config=_eagle(head, K))
+    outs = run_all(on, PROMPTS, LONG)
+    assert _tokens(outs) == off
+    for o in outs:
+        m = o.metrics
+        assert m.num_drafts >= 1  # the first run is a probe
+        # Drafting every step would verify about K drafts per emitted token.
+        assert m.num_draft_tokens < 0.1 * K * len(o.outputs[0].token_ids)
+        assert m.num_drafts <= 6  # a probe after 4, 8, 16, 32 idle steps
+
+
+def test_accepting_head_keeps_full_drafts(targets):  # noqa: F811 (the imported fixture)
+    loaded, head, _ = targets("llama", "accepting")
+    off_engine = make_engine(loaded)
+    off = _tokens(run_all(off_engine, PROMPTS, LONG))
+    on = make_engine(loaded, speculative_config=_eagle(head, K))
+    outs = run_all(on, PROMPTS, LONG)
+    assert _tokens(outs) == off
+    for o in outs:
+        m = o.metrics
+        assert m.draft_acceptance_rate > 0.9
+        # Full runs (but the first while its record grows, and the last one max_tokens cuts):
+        # about K drafts per K + 1 tokens.
+        assert m.num_draft_tokens >= 0.9 * K * m.num_drafts
+        assert m.num_draft_tokens >= 0.8 * K / (K + 1) * len(o.outputs[0].token_ids)
+    assert on.get_stats().num_steps * 2 < off_engine.get_stats().num_steps
+
+
+@pytest.mark.parametrize("kind", ["random", "accepting"])
+def test_policy_decisions_are_deterministic(kind, targets):  # noqa: F811 (the imported fixture)
+    loaded, head, _ = targets("qwen2", kind)
+    stats = []
+    for _ in range(2):
+        engine = make_engine(loaded, speculative_config=_eagle(head, K))
+        outs = run_all(engine, PROMPTS, LONG)
+        stats.append(([o.metrics.num_draft_tokens for o in outs], engine.get_stats().num_steps))
+    assert stats[0] == stats[1]
