@@ -322,7 +322,8 @@ def bench_encoder_workers(args: argparse.Namespace) -> None:
     text = statistics.median([b / a for a, b in zip(results[("text", 0)]["p50"], results[("text", 1)]["p50"])])
     print(f"    text-only TTFT regression: {(text - 1) * 100:+.1f}% (limit +5%): {'ok' if text <= 1.05 else 'OVER'}")
     print(f"    items loaded from the worker {stats.num_loaded_items}, encoded locally {stats.num_encoded_items}, "
-          f"re-encoded after a failed load {stats.num_reencoded_items}")  # fmt: skip
+          f"re-encoded after a failed load {stats.num_reencoded_items}; "
+          f"{pool.num_submitted} items sent in {pool.num_calls} worker calls")  # fmt: skip
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, str], None]] = {
