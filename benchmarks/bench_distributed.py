@@ -30,12 +30,12 @@ encodes overlap the engine's steps only when a core is free for it. On a
 shared 2-core box the engine, the worker and the Ray daemons compete for the
 same cores, so the image-heavy TTFT gain is bounded (and may vanish under
 load); the text-only ratio (the cost of the pool's per-step poll) is what it
-measures reliably. A worker batches what queued while it was busy into
-one call, but the first image of a burst goes alone, and every image pays
-for moving float32 patches through the object store (about 25 ms per
-1,024-patch image here), while the colocated engine encodes a step's images
-in one tower call with no transfer: with one worker and one core the image
-TTFT is expected to be worse, not better. On a machine with
+measures reliably. A worker encodes one request's items per call (batching
+across requests was measured slower on CPU: the whole batch waits for its
+last image), and every image pays for moving float32 patches through the
+object store (about 25 ms per 1,024-patch image here), while the colocated
+engine encodes a step's images in one tower call with no transfer: with one
+worker and one core the image TTFT is expected to be worse, not better. On a machine with
 a core (or GPU) per worker the encoder time leaves the engine's critical
 path altogether.
 

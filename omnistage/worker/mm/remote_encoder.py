@@ -10,13 +10,7 @@ Policy:
 - **Which items.** Every item with data whose output the engine does not hold
   already; equal identifiers share one entry (one encode) whatever the number
   of requests carrying them.
-- **Batching.** A worker runs one encode call at a time. Items submitted
-  while it is free go at once; items submitted while it is busy queue here
-  and go together, in one call, as soon as its call returns (sorted by
-  modality: one tower call per modality). So a burst of requests costs one
-  call per worker, not one per request, and nothing waits longer than it
-  would behind the actor's own queue.
-- **States.** An entry is *pending* (queued or its encode task runs), *ready* (the
+- **States.** An entry is *pending* (its encode task runs), *ready* (the
   worker published the output) or gone. The scheduler sees the identifiers of
   pending and ready entries as plain data: it waits for a pending item (its
   window stops before it), plans a ready one as a load, counted against
@@ -74,11 +68,10 @@ class _Entry:
     identifier: str
     key: str
     worker: int
-    item: EncodeItem
+    task: Any  # ObjectRef of the encode task's list of output refs
+    index: int  # this item's place in that list
     submitted: float
     requests: set[str] = field(default_factory=set)
-    task: Any = None  # ObjectRef of the encode task's list of output refs; None while queued here
-    index: int = 0  # this item's place in that list
     output: Any = None  # ObjectRef of the published tensor, once ready
 
 
@@ -223,30 +216,16 @@ class RemoteEncoderPool:
             by_worker.setdefault(alive[zlib.crc32(feature.identifier.encode()) % len(alive)], []).append(feature)
         now = time.monotonic()
         for index, group in by_worker.items():
-            for f in group:
-                item = EncodeItem(self._key(f.identifier), f.modality, f.data, f.mm_position.get_num_embeds())
-                self.entries[f.identifier] = _Entry(f.identifier, item.key, index, item, now, set(req_ids))
-        self.num_submitted += len(new)
-        self._flush()
-
-    def _flush(self) -> None:
-        """Send each free worker everything queued for it, in one call (see Batching)."""
-        queued: dict[int, list[_Entry]] = {}
-        busy: set[int] = set()
-        for entry in self.entries.values():
-            if entry.task is None:
-                queued.setdefault(entry.worker, []).append(entry)
-            elif entry.output is None:
-                busy.add(entry.worker)
-        for index, group in queued.items():
-            worker = self.workers[index]
-            if index in busy or worker.handle is None:
-                continue
-            group.sort(key=lambda e: e.item.modality)  # stable: one tower call per modality
-            task = worker.handle.encode.remote(self.consumer, [e.item for e in group])
-            for k, entry in enumerate(group):
-                entry.task, entry.index = task, k
+            items = [
+                EncodeItem(self._key(f.identifier), f.modality, f.data, f.mm_position.get_num_embeds()) for f in group
+            ]
+            task = self.workers[index].handle.encode.remote(self.consumer, items)
             self.num_calls += 1
+            for k, feature in enumerate(group):
+                self.entries[feature.identifier] = _Entry(
+                    feature.identifier, items[k].key, index, task, k, now, set(req_ids)
+                )
+        self.num_submitted += len(new)
 
     def _key(self, identifier: str) -> str:
         return f"{self.namespace}/{identifier}"
@@ -255,16 +234,13 @@ class RemoteEncoderPool:
         """Resolve finished encode tasks; drop failed and overdue entries."""
         self._check_workers()
         ray = self._ray
-        pending: dict[Any, list[_Entry]] = {}
-        queued = []
+        pending = {}
         for entry in self.entries.values():
-            if entry.task is None:
-                queued.append(entry)
-            elif entry.output is None:
+            if entry.output is None:
                 pending.setdefault(entry.task, []).append(entry)
-        if not pending and not queued:
+        if not pending:
             return
-        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0) if pending else ([], [])
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
         for task in done:
             try:
                 refs = ray.get(task)
@@ -279,11 +255,11 @@ class RemoteEncoderPool:
             for entry in pending.pop(task):
                 entry.output = refs[entry.index]
         deadline = time.monotonic() - self.timeout_s
-        for entry in [e for entries in pending.values() for e in entries] + queued:
-            if entry.submitted < deadline:
-                self.num_failed += 1
-                self._drop(entry)
-        self._flush()  # workers whose call returned take what queued meanwhile
+        for entries in pending.values():
+            for entry in entries:
+                if entry.submitted < deadline:
+                    self.num_failed += 1
+                    self._drop(entry)
 
     def pending_ids(self) -> set[str]:
         return {i for i, e in self.entries.items() if e.output is None}
@@ -294,7 +270,7 @@ class RemoteEncoderPool:
     def wait(self, timeout: float) -> None:
         """Block until some encode task finishes, or ``timeout`` seconds (an
         engine with nothing else to run waits here instead of spinning)."""
-        tasks = list({id(e.task): e.task for e in self.entries.values() if e.task is not None and e.output is None}.values())
+        tasks = list({id(e.task): e.task for e in self.entries.values() if e.output is None}.values())
         if tasks:
             self._ray.wait(tasks, num_returns=1, timeout=timeout)
 
@@ -328,7 +304,7 @@ class RemoteEncoderPool:
             return
         del self.entries[entry.identifier]
         worker = self.workers[entry.worker]
-        if notify and entry.task is not None and worker.handle is not None:  # a queued one never reached it
+        if notify and worker.handle is not None:
             # Runs after the encode task on the same actor (calls from one caller
             # run in order), so a late output is unlisted as soon as it appears.
             worker.handle.release.remote(self.consumer, [entry.key])
