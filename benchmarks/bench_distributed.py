@@ -30,11 +30,12 @@ encodes overlap the engine's steps only when a core is free for it. On a
 shared 2-core box the engine, the worker and the Ray daemons compete for the
 same cores, so the image-heavy TTFT gain is bounded (and may vanish under
 load); the text-only ratio (the cost of the pool's per-step poll) is what it
-measures reliably. A single worker also encodes one request's items per
-call, serially, and pays for moving float32 patches through the object
-store (about 25 ms per 1,024-patch image here), while the colocated engine
-batches the images of a step in one tower call: with one worker and one
-core the image TTFT is expected to be worse, not better. On a machine with
+measures reliably. A worker encodes one request's items per call (batching
+across requests was measured slower on CPU: the whole batch waits for its
+last image), and every image pays for moving float32 patches through the
+object store (about 25 ms per 1,024-patch image here), while the colocated
+engine encodes a step's images in one tower call with no transfer: with one
+worker and one core the image TTFT is expected to be worse, not better. On a machine with
 a core (or GPU) per worker the encoder time leaves the engine's critical
 path altogether.
 
@@ -321,7 +322,8 @@ def bench_encoder_workers(args: argparse.Namespace) -> None:
     text = statistics.median([b / a for a, b in zip(results[("text", 0)]["p50"], results[("text", 1)]["p50"])])
     print(f"    text-only TTFT regression: {(text - 1) * 100:+.1f}% (limit +5%): {'ok' if text <= 1.05 else 'OVER'}")
     print(f"    items loaded from the worker {stats.num_loaded_items}, encoded locally {stats.num_encoded_items}, "
-          f"re-encoded after a failed load {stats.num_reencoded_items}")  # fmt: skip
+          f"re-encoded after a failed load {stats.num_reencoded_items}; "
+          f"{pool.num_submitted} items sent in {pool.num_calls} worker calls")  # fmt: skip
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, str], None]] = {

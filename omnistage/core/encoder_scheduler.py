@@ -185,6 +185,15 @@ class EncoderScheduler:
             return 0, None
         return num_new_tokens, plan if plan else None
 
+    def waits_on_worker(self, request: Request, start: int) -> bool:
+        """Whether the request's next item from position ``start`` is one an
+        encoder worker is still encoding (what stopped a window at 0 tokens)."""
+        for feature in request.mm_features:
+            pos = feature.mm_position
+            if pos.offset + pos.length > start:
+                return feature.identifier in self.remote_pending
+        return False
+
     @staticmethod
     def _boundary_items(features: Sequence[MultiModalFeatureSpec], end: int, lookahead: int) -> list[int]:
         """Items with embeddings in ``[end, end + lookahead)``: what a drafter reads past the window."""

@@ -52,7 +52,10 @@ class Scheduler:
     unfinished prefill its next chunk), then on waiting requests in arrival
     order, at most ``max_num_seqs`` running. Any prompt may be chunked. A
     waiting request that does not fit blocks the ones behind it, so a long
-    prompt is never starved by short ones.
+    prompt is never starved by short ones. The one exception: a request that
+    cannot start because its next item is still being encoded on an encoder
+    worker is passed over (no head-of-line blocking on a remote encode); it
+    keeps its place and is admitted first once the item is published.
 
     ``num_computed_tokens`` is advanced when a request is *scheduled*, not
     when the step's output comes back: after ``schedule()`` it counts the
@@ -104,12 +107,15 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        # Invariant: both in arrival order, and every running request arrived
-        # before every waiting one. Admission takes the head of ``waiting`` to
-        # the tail of ``running``; preemption moves the tail of ``running`` to
-        # the head of ``waiting``. So ``running[-1]`` is always the latest
-        # arrival, and FCFS needs no sorting.
+        # ``waiting`` is in arrival order; ``running`` in admission order.
+        # Admission takes the first admissible waiting request (the head, unless
+        # requests ahead wait on an encoder worker) to the tail of ``running``;
+        # preemption moves the tail of ``running`` (the latest admitted) back
+        # into ``waiting`` at its arrival place. Without encoder workers nothing
+        # is ever skipped, so both are in arrival order and that place is the head.
         self.running: list[Request] = []
+        self._arrival: dict[str, int] = {}  # request id -> arrival rank, for reinsertion
+        self._num_arrived = 0
         self._finished_ids: set[str] = set()  # left since the last schedule(), the worker held them
         self._aborted_ids: set[str] = set()
         self.num_preemptions = 0
@@ -143,6 +149,8 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             update_block_hashes(request, self.block_size)
         self.requests[request.request_id] = request
+        self._arrival[request.request_id] = self._num_arrived
+        self._num_arrived += 1
         self.waiting.append(request)
 
     def _validate(self, request: Request) -> None:
@@ -218,6 +226,7 @@ class Scheduler:
         if self.encoder is not None:
             self.encoder.free(request)
         del self.requests[request.request_id]
+        del self._arrival[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -275,12 +284,19 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
 
-        # 2. Waiting requests, unless blocks already ran out this step.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting[0]
+        # 2. Waiting requests, unless blocks already ran out this step. One that
+        # cannot start because its next item is still on an encoder worker is
+        # passed over (it keeps its place, so it goes first once the item is
+        # published); any other that cannot start blocks the ones behind it.
+        w = 0
+        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[w]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             n, enc = self._schedule_encoder_inputs(request, num_hit, self._num_new_tokens(request, budget, num_hit))
             if n == 0:
+                if self.encoder is not None and self.encoder.waits_on_worker(request, num_hit):
+                    w += 1
+                    continue
                 break
             new_blocks = kv.allocate_slots(request, n, hit_blocks, num_hit)
             if new_blocks is None:
@@ -288,7 +304,7 @@ class Scheduler:
                 if not self.running:  # nothing else holds blocks: it can never fit
                     raise self._pool_too_small(request, num_hit + n)
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -483,7 +499,13 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)  # resumed first: it arrived before everything waiting
+        # Back at its arrival place: before every waiting request but those passed
+        # over for an encoder worker that arrived earlier (the head without workers).
+        rank = self._arrival[request.request_id]
+        place = 0
+        while place < len(self.waiting) and self._arrival[self.waiting[place].request_id] < rank:
+            place += 1
+        self.waiting.insert(place, request)
 
     def _pool_too_small(self, request: Request, num_tokens: int) -> RuntimeError:
         return RuntimeError(

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from utils_engine import assert_pool_clean, make_engine, run_all
 from utils_mm import chat_prompt, clip, image, video, write_sensitive_checkpoint
 
@@ -238,3 +239,68 @@ def test_arguments_and_text_models(tiny_loaded):
             EngineArgs(**bad)
     engine = make_engine(tiny_loaded("qwen3"), num_encoder_workers=1)
     assert engine.remote_encoder is None and engine.runner.remote_encoder is None
+
+
+def test_text_request_is_not_held_up_by_an_image_pending_on_a_slow_worker(kinds):
+    """An image request whose item sits on a slow worker waits for it: its
+    prefill stops before the item, here at 0 tokens (a prefix-cache hit ends
+    right at the item), so it stays in the waiting queue. A text request added
+    after it starts past it and gets its first token before the image is
+    published. Both answers equal the colocated engine's."""
+    k = kinds["vl"]
+    engine = make_engine(k.loaded, num_encoder_workers=1, **ENGINE)
+    words = ""
+    while True:  # a text prefix that ends on a block boundary, right before the item
+        prompt = {"prompt": f"{words}<|vision_start|><|image_pad|><|vision_end|>describe",
+                  "multi_modal_data": {"image": image(5)}}  # fmt: skip
+        if engine.process_inputs("x", prompt).mm_features[0].mm_position.offset % ENGINE["block_size"] == 0:
+            break
+        words += "a"
+    prompts = [prompt, "a plain text request behind it"]
+    ref = baseline(k, prompts)
+    wait_alive(engine)
+    warm = {"prompt": prompt["prompt"], "multi_modal_data": {"image": image(6)}}  # caches the text prefix
+    run_all(engine, [warm], GREEDY, prefix="warm-")
+    handle = engine.remote_encoder.workers[0].handle
+    ray.get(handle.set_delay.remote(1.5))
+    try:
+        engine.add_request("img", prompts[0], GREEDY)
+        engine.add_request("txt", prompts[1], GREEDY)
+        first: dict[str, bool] = {}  # request -> whether the image was still on the worker at its first token
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs[0].token_ids and out.request_id not in first:
+                    first[out.request_id] = bool(engine.remote_encoder.pending_ids())
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+    finally:
+        ray.get(handle.set_delay.remote(0.0))
+    assert [done["img"], done["txt"]] == ref
+    assert list(first) == ["txt", "img"] and first == {"txt": True, "img": False}
+    assert engine.runner.num_loaded_items == 2 and engine.runner.num_encoded_items == 0
+    assert engine.get_stats().prefix_cache_hit_tokens > 0
+    assert_nothing_held(engine)
+
+
+def test_a_worker_call_of_several_items_gives_each_item_s_own_rows(kinds):
+    """One worker call encodes a request's items together (one tower call per
+    modality, the colocated engine's path); the rows are bit for bit the ones
+    each item gets alone, images of different sizes and a video alike."""
+    from omnistage.worker.mm.encoder_worker import EncodeItem
+
+    k = kinds["vl"]
+    prompts = [chat_prompt(k.proc, ["image", "text"], {"image": image(20 + i, 100 + 20 * i, 90)}) for i in range(4)]
+    prompts.append(chat_prompt(k.proc, ["video", "text"], {"video": video(3)}))
+    engine = make_engine(k.loaded, num_encoder_workers=1, **ENGINE)
+    wait_alive(engine)
+    handle = engine.remote_encoder.workers[0].handle
+    features = [f for p in prompts for f in engine.process_inputs("x", p).mm_features]
+
+    def items(tag: str) -> list[EncodeItem]:
+        return [EncodeItem(f"{tag}/{i}", f.modality, f.data, f.mm_position.get_num_embeds()) for i, f in enumerate(features)]
+
+    batched = ray.get(ray.get(handle.encode.remote("check", items("batch"))))
+    alone = [ray.get(ray.get(handle.encode.remote("check", [item]))[0]) for item in items("alone")]
+    ray.get(handle.release.remote("check", [it.key for it in items("batch") + items("alone")]))
+    assert len(batched) == len(features) and all(torch.equal(a, b) for a, b in zip(batched, alone))

@@ -350,7 +350,7 @@ class DataParallelEngine:
 
     def get_stats(self) -> DataParallelStats:
         per = {r.index: s for r, s in self._live_calls("get_stats")}
-        summed = {f.name: sum(getattr(s, f.name) for s in per.values()) for f in dataclasses.fields(EngineStats)}
+        summed = {f.name: _sum_stat([getattr(s, f.name) for s in per.values()]) for f in dataclasses.fields(EngineStats)}
         loads = []
         for r in self._replicas:
             s = per.get(r.index)
@@ -377,3 +377,11 @@ class DataParallelEngine:
                 ray.kill(r.actor, no_restart=True)
                 r.alive = False
         self._requests.clear()
+
+
+def _sum_stat(values: list) -> Any:
+    """Replicas' values of one stat added up; per-position tuples (accepted drafts) position by position."""
+    if values and isinstance(values[0], tuple):
+        width = max(len(v) for v in values)
+        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+    return sum(values)

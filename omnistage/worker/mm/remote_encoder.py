@@ -111,7 +111,7 @@ class RemoteEncoderPool:
         self.workers = [_Worker(f"omnistage-encoder-{fingerprint[:16]}-{i}") for i in range(num_workers)]
         for worker in self.workers:
             self._spawn(worker)
-        self.num_submitted = self.num_loaded = self.num_failed = 0
+        self.num_submitted = self.num_loaded = self.num_failed = self.num_calls = 0
 
     @classmethod
     def for_model(cls, loaded_model: Any, processor: Any, args: Any) -> RemoteEncoderPool:
@@ -220,6 +220,7 @@ class RemoteEncoderPool:
                 EncodeItem(self._key(f.identifier), f.modality, f.data, f.mm_position.get_num_embeds()) for f in group
             ]
             task = self.workers[index].handle.encode.remote(self.consumer, items)
+            self.num_calls += 1
             for k, feature in enumerate(group):
                 self.entries[feature.identifier] = _Entry(
                     feature.identifier, items[k].key, index, task, k, now, set(req_ids)
