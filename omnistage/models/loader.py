@@ -7,6 +7,7 @@ tokenizer files), a ``.gguf`` file (converted once to a cached folder), or
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,6 +64,20 @@ def hf_progress_bars_off() -> Iterator[None]:
     finally:
         if was_on:
             hf_logging.enable_progress_bar()
+
+
+def checkpoint_config(model: str | Path | None) -> dict | None:
+    """A checkpoint folder's ``config.json`` as a dict; None when ``model`` is not
+    a folder with a readable one (for the checks that pick a loader)."""
+    if model is None:
+        return None
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -26,16 +26,17 @@ MM_MODEL_TYPES = ("qwen2_5_vl", "qwen2_5_omni", "qwen2_5_omni_thinker")
 
 
 class TextStackView:
-    """A multimodal model's language model and LM head, shaped like the HF
-    causal LM that ``CausalLM`` wraps (``model``, ``config``, embeddings).
+    """A decoder stack and its head inside a bigger model (a multimodal model's
+    language model, an omni talker's decoder and codec head), shaped like the
+    HF causal LM that ``CausalLM`` wraps (``model``, ``config``, embeddings).
 
-    ``set_attn_implementation`` reaches the language model only: the towers'
-    configs are separate objects and keep their attention."""
+    ``set_attn_implementation`` reaches this decoder only: the towers' (or the
+    code predictor's) configs are separate objects and keep their attention."""
 
-    def __init__(self, adapter: QwenMultiModalAdapter) -> None:
-        self.model = adapter.language_model
-        self.config = adapter.language_model.config  # the text config; get_text_config() returns itself
-        self._lm_head = adapter.lm_head
+    def __init__(self, model: torch.nn.Module, head: torch.nn.Module) -> None:
+        self.model = model
+        self.config = model.config  # the stack's own config; get_text_config() returns itself
+        self._lm_head = head
 
     def eval(self) -> TextStackView:
         self.model.eval()
@@ -48,7 +49,7 @@ class TextStackView:
         return self.model
 
     def get_input_embeddings(self) -> torch.nn.Module:
-        return self.model.embed_tokens
+        return self.model.get_input_embeddings()
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self._lm_head
@@ -87,7 +88,7 @@ def load_multimodal(
         )
     hf.to(device).eval()
     adapter = adapter_cls(hf)
-    return CausalLM(TextStackView(adapter)), adapter  # type: ignore[arg-type]
+    return CausalLM(TextStackView(adapter.language_model, adapter.lm_head)), adapter  # type: ignore[arg-type]
 
 
 # Where a checkpoint may keep a tower's weights: the legacy layout at the top

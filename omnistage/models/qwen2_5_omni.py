@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from omnistage.attention.paged_attention import AttentionMetadata, StepLayout
 from omnistage.models.adapter import CausalLM
 from omnistage.models.interface import NO_TENSOR_CACHE, TensorCachePolicy
-from omnistage.models.loader import LoadedModel, eos_token_ids, hf_progress_bars_off, resolve_dtype
+from omnistage.models.loader import LoadedModel, checkpoint_config, eos_token_ids, hf_progress_bars_off, resolve_dtype
 from omnistage.models.mm_loader import TextStackView
 from omnistage.models.qwen2_5_omni_talker import TalkerPrompt, thinker_states_for_talker
 from omnistage.models.qwen2_5_omni_thinker import Qwen2_5OmniThinkerAdapter
@@ -179,21 +178,11 @@ _OMNI_MODEL_TYPES = ("qwen2_5_omni", "qwen3_omni_moe")
 def is_omni_checkpoint(model: str | Path | None) -> bool:
     """True for a checkpoint folder of a whole omni model (thinker + talker + vocoder):
     Qwen2.5-Omni or Qwen3-Omni (``load_qwen3_omni`` loads the latter)."""
-    if model is None:
-        return False
-    config = Path(model).expanduser() / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
+    data = checkpoint_config(model)
+    if data is None:
         return False
     architectures = set(data.get("architectures") or ())
     return bool(architectures & set(OMNI_ARCHITECTURES)) or data.get("model_type") in _OMNI_MODEL_TYPES
-
-
-def _model_type(path: Path) -> str | None:
-    return json.loads((path / "config.json").read_text()).get("model_type")
 
 
 @dataclass
@@ -226,7 +215,7 @@ def load_qwen2_5_omni(
     from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
     path = Path(model).expanduser()
-    if not is_omni_checkpoint(path) or _model_type(path) != "qwen2_5_omni":
+    if not is_omni_checkpoint(path) or (checkpoint_config(path) or {}).get("model_type") != "qwen2_5_omni":
         raise ValueError(f"{str(path)!r} is not a Qwen2.5-Omni checkpoint folder (config.json architectures)")
     with hf_progress_bars_off():
         hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=resolve_dtype(dtype))
@@ -237,7 +226,7 @@ def load_qwen2_5_omni(
     # (text stack on paged attention, towers as transformers runs them).
     adapter = ThinkerForTalkerAdapter(hf.thinker)
     thinker = LoadedModel(
-        model=CausalLM(TextStackView(adapter)),  # type: ignore[arg-type]
+        model=CausalLM(TextStackView(adapter.language_model, adapter.lm_head)),  # type: ignore[arg-type]
         tokenizer=tokenizer,
         hf_config=hf.config,
         eos_token_ids=eos_token_ids(path, hf.config.thinker_config, tokenizer),

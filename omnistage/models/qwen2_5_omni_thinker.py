@@ -10,7 +10,20 @@ from omnistage.models.mm_adapter import QwenMultiModalAdapter
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.multimodal.processing import audio_output_length
 
-__all__ = ["Qwen2_5OmniThinkerAdapter"]
+__all__ = ["Qwen2_5OmniThinkerAdapter", "padded_audio_batch"]
+
+
+def padded_audio_batch(items: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Audio items' ``input_features`` ``[num_mel_bins, frames]`` as one right-padded
+    batch for the audio tower: ``(features, feature_attention_mask, frames per item)``."""
+    lengths = [int(item["input_features"].shape[1]) for item in items]
+    num_bins = items[0]["input_features"].shape[0]
+    features = torch.zeros(len(items), num_bins, max(lengths), dtype=torch.float32)
+    mask = torch.zeros(len(items), max(lengths), dtype=torch.int64)
+    for k, (item, n) in enumerate(zip(items, lengths)):
+        features[k, :, :n] = item["input_features"]
+        mask[k, :n] = 1
+    return features, mask, lengths
 
 
 class Qwen2_5OmniThinkerAdapter(QwenMultiModalAdapter):
@@ -28,13 +41,7 @@ class Qwen2_5OmniThinkerAdapter(QwenMultiModalAdapter):
         super().__init__(getattr(model, "thinker", model))
 
     def _encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        lengths = [int(item["input_features"].shape[1]) for item in items]
-        num_bins = items[0]["input_features"].shape[0]
-        features = torch.zeros(len(items), num_bins, max(lengths), dtype=torch.float32)
-        mask = torch.zeros(len(items), max(lengths), dtype=torch.int64)
-        for k, (item, n) in enumerate(zip(items, lengths)):
-            features[k, :, :n] = item["input_features"]
-            mask[k, :n] = 1
+        features, mask, lengths = padded_audio_batch(items)
         out = self.inner.get_audio_features(
             features.to(self.device, self.inner.audio_tower.conv1.weight.dtype),
             feature_attention_mask=mask.to(self.device),

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from omnistage.models.adapter import CausalLM
 from omnistage.models.loader import (
     LoadedModel,
+    checkpoint_config,
     eos_token_ids,
     hf_progress_bars_off,
     resolve_dtype,
@@ -44,14 +44,8 @@ DEFAULT_QWEN3_SPEAKER = "Ethan"  # transformers' generate() default
 
 def is_qwen3_omni_checkpoint(model: str | Path | None) -> bool:
     """True for a whole Qwen3-Omni checkpoint folder (``config.json`` architectures or model_type)."""
-    if model is None:
-        return False
-    config = Path(model).expanduser() / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
+    data = checkpoint_config(model)
+    if data is None:
         return False
     architectures = set(data.get("architectures") or ())
     return (
@@ -110,7 +104,7 @@ def load_qwen3_omni(
     accept = int(config.talker_config.accept_hidden_layer) if has_talker else None
     adapter = Qwen3OmniThinkerAdapter(hf.thinker, accept_hidden_layer=accept)
     thinker = LoadedModel(
-        model=CausalLM(TextStackView(adapter)),  # type: ignore[arg-type]
+        model=CausalLM(TextStackView(adapter.language_model, adapter.lm_head)),  # type: ignore[arg-type]
         tokenizer=tokenizer,
         hf_config=config,
         eos_token_ids=eos_token_ids(path, config.thinker_config, tokenizer),

@@ -49,6 +49,7 @@ import torch
 from omnistage.attention.paged_attention import AttentionMetadata, StepLayout
 from omnistage.models.adapter import CausalLM
 from omnistage.models.interface import TensorCachePolicy
+from omnistage.models.mm_loader import TextStackView
 
 __all__ = ["CODES_KEY", "PagedQwen3OmniTalker", "Qwen3TalkerPrep", "Qwen3TalkerState"]
 
@@ -75,34 +76,6 @@ class Qwen3TalkerState:
     @property
     def num_prompt_tokens(self) -> int:
         return self.prefill_embeds.shape[0]
-
-
-class _TalkerTextView:
-    """The talker's decoder and codec head shaped like the HF causal LM ``CausalLM`` wraps.
-
-    Only the decoder switches to paged attention: the code predictor keeps
-    transformers' attention (it runs dense, on a fresh cache per frame)."""
-
-    def __init__(self, talker: Any) -> None:
-        self.model = talker.model
-        self.config = talker.model.config
-        self._head = talker.codec_head
-
-    def eval(self) -> _TalkerTextView:
-        self.model.eval()
-        return self
-
-    def set_attn_implementation(self, impl: str) -> None:
-        self.model.set_attn_implementation(impl)
-
-    def get_decoder(self) -> torch.nn.Module:
-        return self.model
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.model.codec_embedding
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self._head
 
 
 class Qwen3TalkerPrep:
@@ -251,7 +224,9 @@ class PagedQwen3OmniTalker:
     tensor_cache_policy = TensorCachePolicy(deferred_keys=frozenset({CODES_KEY}))
 
     def __init__(self, talker: Any) -> None:
-        self._lm = CausalLM(_TalkerTextView(talker))  # type: ignore[arg-type]
+        # Only the decoder switches to paged attention: the code predictor keeps
+        # transformers' attention (it runs dense, on a fresh cache per frame).
+        self._lm = CausalLM(TextStackView(talker.model, talker.codec_head))  # type: ignore[arg-type]
         self.talker = talker
         self.code_predictor = talker.code_predictor
         self._codec_embed = talker.model.codec_embedding

@@ -31,6 +31,7 @@ import torch
 
 from omnistage.models.interface import TensorCachePolicy
 from omnistage.models.mm_adapter import QwenMultiModalAdapter
+from omnistage.models.qwen2_5_omni_thinker import padded_audio_batch
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.multimodal.processing import qwen3_audio_output_length
 
@@ -196,13 +197,7 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
         return hook
 
     def _encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        lengths = [int(item["input_features"].shape[1]) for item in items]
-        num_bins = items[0]["input_features"].shape[0]
-        features = torch.zeros(len(items), num_bins, max(lengths), dtype=torch.float32)
-        mask = torch.zeros(len(items), max(lengths), dtype=torch.int64)
-        for k, (item, n) in enumerate(zip(items, lengths)):
-            features[k, :, :n] = item["input_features"]
-            mask[k, :n] = 1
+        features, mask, lengths = padded_audio_batch(items)
         out = self.inner.get_audio_features(
             features.to(self.device, self.inner.audio_tower.conv2d1.weight.dtype),
             feature_attention_mask=mask.to(self.device),
