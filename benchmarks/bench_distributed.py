@@ -48,7 +48,6 @@ Run: ``python benchmarks/bench_distributed.py [--quick] [--sections routing,enco
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -70,7 +69,6 @@ from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.stage_engine import LLMEngine
 from omnistage.models.loader import LoadedModel, load_model
 from omnistage.sampling_params import SamplingParams
-from omnistage.testing.tiny_mm_checkpoints import write_tiny_qwen2_5_vl
 
 MAX_IMAGE_TOKENS = 256  # merged 28x28 squares: 1,024 patches through the tower
 
@@ -197,23 +195,7 @@ def spread_plain(values: list[float]) -> str:
 def write_heavy_vision_checkpoint(path: str, seed: int = 0) -> str:
     """The tiny test checkpoint with a vision tower that dominates a step:
     4 blocks of width 128 (MLP 512) over images of up to ``MAX_IMAGE_TOKENS``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    write_tiny_qwen2_5_vl(path, seed)
-    config = Qwen2_5_VLConfig.from_pretrained(path)
-    vision = config.vision_config
-    vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads = 4, 128, 512, 4
-    vision.fullatt_block_indexes = [1, 3]
-    torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval().save_pretrained(path)
-    pre = os.path.join(path, "processor_config.json")
-    with open(pre) as f:
-        processor = json.load(f)
-    image = processor["image_processor"]
-    image["max_pixels"] = image["size"]["longest_edge"] = MAX_IMAGE_TOKENS * 28 * 28
-    with open(pre, "w") as f:
-        json.dump(processor, f, indent=2)
-    return path
+    return write_checkpoint(path, seed, width=128, mlp=512, max_image_tokens=MAX_IMAGE_TOKENS)
 
 
 def run_arrivals(engine: LLMEngine, prompts: list, gap: float, params: SamplingParams) -> tuple[list[float], float]:

@@ -43,15 +43,18 @@ MAX_IMAGE_TOKENS = 1024  # merged 28x28 squares per image
 KV_BLOCKS = 2048  # 32k tokens: plenty, and no 128 MiB default pool to first-touch
 
 
-def write_checkpoint(path: str, seed: int = 0) -> str:
-    """The test checkpoint with a 4-block, 64-wide vision tower and an image
-    processor that keeps up to ``MAX_IMAGE_TOKENS`` merged tokens."""
+def write_checkpoint(
+    path: str, seed: int = 0, width: int = 64, mlp: int = 128, max_image_tokens: int = MAX_IMAGE_TOKENS
+) -> str:
+    """The test checkpoint with a 4-block vision tower (``width`` wide, ``mlp``
+    in its MLP) and an image processor that keeps up to ``max_image_tokens``
+    merged tokens."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     write_tiny_qwen2_5_vl(path, seed)
     config = Qwen2_5_VLConfig.from_pretrained(path)
     vision = config.vision_config
-    vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads = 4, 64, 128, 4
+    vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads = 4, width, mlp, 4
     vision.fullatt_block_indexes = [1, 3]
     torch.manual_seed(seed)
     Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval().save_pretrained(path)
@@ -60,7 +63,7 @@ def write_checkpoint(path: str, seed: int = 0) -> str:
     with open(pre) as f:
         processor = json.load(f)
     image = processor["image_processor"]
-    image["max_pixels"] = image["size"]["longest_edge"] = MAX_IMAGE_TOKENS * 28 * 28
+    image["max_pixels"] = image["size"]["longest_edge"] = max_image_tokens * 28 * 28
     with open(pre, "w") as f:
         json.dump(processor, f, indent=2)
     return path
