@@ -96,6 +96,53 @@ class Token2WavInputs:
         return ProcessedInputs(None, list(request.codes), payload=payload)
 
 
+def build_talker_stage(
+    args: EngineArgs,
+    options: OmniOptions,
+    thinker: StageEngine,
+    model: Any,
+    hf_config: Any,
+    max_position_embeddings: int,
+    max_len: int,
+    input_processor: Any,
+) -> StageEngine:
+    """An omni checkpoint's talker stage: its own KV pool and sequence bounds
+    from ``options``, codec ids in and out (no tokenizer, no prefix caching:
+    the ids do not identify what the payload rows hold)."""
+    talker_args = dataclasses.replace(
+        args,
+        num_kv_blocks=options.talker_num_kv_blocks,
+        kv_cache_memory_bytes=TALKER_KV_CACHE_BYTES,
+        max_num_seqs=options.talker_max_num_seqs or args.max_num_seqs,
+        max_model_len=max_len,
+        speculative_config=None,  # the thinker speculates; the talker's inputs are payloads
+    )
+    talker_model = LoadedModel(
+        model=model,
+        tokenizer=None,  # codec ids are not text
+        hf_config=hf_config,
+        eos_token_ids=[],  # the stops come from TalkerParams
+        max_model_len=max_position_embeddings,
+        model_path=thinker.loaded_model.model_path,
+        name=f"{thinker.loaded_model.name}:talker",
+    )
+    spec = StageSpec("talker", input_processor=input_processor, enable_prefix_caching=False)
+    return StageEngine(talker_args, talker_model, spec)
+
+
+def build_vocoder_stage(
+    args: EngineArgs, talker: StageEngine, vocoder: ChunkedVocoder, name: str, requests_per_step: int
+) -> StageEngine:
+    """An omni checkpoint's vocoder as the chunked stage: a streamed request's
+    codes are decoded chunk by chunk while the talker speaks, a whole one once
+    its codes are final."""
+    vocoder_model = dataclasses.replace(talker.loaded_model, model=vocoder, name=name)
+    spec = StageSpec(
+        "token2wav", kind="chunked", input_processor=Token2WavInputs(vocoder), max_requests_per_step=requests_per_step
+    )
+    return StageEngine(dataclasses.replace(args, speculative_config=None), vocoder_model, spec)
+
+
 def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions | None = None) -> OmniPipeline:
     """The three stages of a loaded Qwen2.5-Omni checkpoint (only the thinker's
     without a talker), sharing its weights; each owns its KV cache."""
@@ -110,40 +157,14 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
     max_len = options.talker_max_model_len or min(
         int(config.max_position_embeddings), thinker.max_model_len + 2 + defaults.max_tokens
     )
-    talker_args = dataclasses.replace(
-        args,
-        num_kv_blocks=options.talker_num_kv_blocks,
-        kv_cache_memory_bytes=TALKER_KV_CACHE_BYTES,
-        max_num_seqs=options.talker_max_num_seqs or args.max_num_seqs,
-        max_model_len=max_len,
-        speculative_config=None,  # the thinker speculates; the talker's inputs are payloads
-    )
-    talker_model = LoadedModel(
-        model=omni.paged_talker,  # type: ignore[arg-type]
-        tokenizer=None,  # codec ids are not text
-        hf_config=config,
-        eos_token_ids=[],  # the stops come from TalkerParams
-        max_model_len=int(config.max_position_embeddings),
-        model_path=omni.thinker.model_path,
-        name=f"{omni.thinker.name}:talker",
-    )
     prep = Qwen2_5OmniTalker(omni.talker_module, omni.talker_text_rows, options.talker_match_transformers_unpadded)
-    talker = StageEngine(
-        talker_args, talker_model, StageSpec("talker", input_processor=TalkerInputs(prep), enable_prefix_caching=False)
-    )
+    talker = build_talker_stage(
+        args, options, thinker, omni.paged_talker, config, int(config.max_position_embeddings), max_len,
+        TalkerInputs(prep),
+    )  # fmt: skip
     token2wav: Qwen2_5OmniToken2Wav = omni.token2wav  # type: ignore[assignment]
-    vocoder_model = dataclasses.replace(
-        talker_model, model=token2wav, name=f"{omni.thinker.name}:token2wav"  # type: ignore[arg-type]
-    )
-    vocoder = StageEngine(
-        args,
-        vocoder_model,
-        StageSpec(
-            "token2wav",
-            kind="chunked",
-            input_processor=Token2WavInputs(token2wav),
-            max_requests_per_step=options.token2wav_requests_per_step or 1,
-        ),
+    vocoder = build_vocoder_stage(
+        args, talker, token2wav, f"{omni.thinker.name}:token2wav", options.token2wav_requests_per_step or 1
     )
     sample_rate = int(token2wav.sample_rate)
     return OmniPipeline(thinker, talker, vocoder, omni.speakers, defaults, seed=args.seed, sample_rate=sample_rate)

@@ -16,21 +16,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.input_processor import ProcessedInputs
 from omnistage.engine.omni.pipeline import OmniPipeline
-from omnistage.engine.omni.qwen2_5_omni import (
-    TALKER_KV_CACHE_BYTES,
-    OmniOptions,
-    Token2WavInputs,
-)
+from omnistage.engine.omni.qwen2_5_omni import OmniOptions, build_talker_stage, build_vocoder_stage
 from omnistage.engine.omni.stage_io import TalkerParams, TalkerRequest
 from omnistage.engine.stage import StageSpec
 from omnistage.engine.stage_engine import StageEngine
-from omnistage.models.loader import LoadedModel
 from omnistage.models.qwen3_omni import DEFAULT_QWEN3_SPEAKER, Qwen3OmniModel
 from omnistage.models.qwen3_omni_talker import Qwen3TalkerPrep
 
@@ -87,50 +81,16 @@ def build_qwen3_omni_pipeline(
         int(text.max_position_embeddings),
         thinker.max_model_len + 16 + defaults.max_tokens,
     )
-    talker_args = dataclasses.replace(
-        args,
-        num_kv_blocks=options.talker_num_kv_blocks,
-        kv_cache_memory_bytes=TALKER_KV_CACHE_BYTES,
-        max_num_seqs=options.talker_max_num_seqs or args.max_num_seqs,
-        max_model_len=max_len,
-        speculative_config=None,
-    )
-    talker_model = LoadedModel(
-        model=omni.talker,  # type: ignore[arg-type]
-        tokenizer=None,  # codec ids are not text
-        hf_config=tc,
-        eos_token_ids=[],  # the stops come from TalkerParams
-        max_model_len=int(text.max_position_embeddings),
-        model_path=omni.thinker.model_path,
-        name=f"{omni.thinker.name}:talker",
-    )
     assert omni.prep is not None and omni.code2wav is not None
-    talker = StageEngine(
-        talker_args,
-        talker_model,
-        StageSpec(
-            "talker",
-            input_processor=Qwen3TalkerInputs(omni.prep),
-            enable_prefix_caching=False,
-        ),
-    )
-    vocoder_model = dataclasses.replace(
-        talker_model,
-        model=omni.code2wav,
-        name=f"{omni.thinker.name}:code2wav",  # type: ignore[arg-type]
-    )
-    # The chunked stage: a streamed request's frames are decoded chunk by chunk while the
-    # talker speaks, a whole one once its frames are final; both give the full decode's samples.
-    vocoder = StageEngine(
-        dataclasses.replace(args, speculative_config=None),
-        vocoder_model,
-        StageSpec(
-            "token2wav",
-            kind="chunked",
-            input_processor=Token2WavInputs(omni.code2wav),
-            max_requests_per_step=options.token2wav_requests_per_step or QWEN3_CODE2WAV_REQUESTS_PER_STEP,
-        ),
-    )
+    talker = build_talker_stage(
+        args, options, thinker, omni.talker, tc, int(text.max_position_embeddings), max_len,
+        Qwen3TalkerInputs(omni.prep),
+    )  # fmt: skip
+    # Code2wav is causal: streamed or whole, the chunks give the full decode's samples.
+    vocoder = build_vocoder_stage(
+        args, talker, omni.code2wav, f"{omni.thinker.name}:code2wav",
+        options.token2wav_requests_per_step or QWEN3_CODE2WAV_REQUESTS_PER_STEP,
+    )  # fmt: skip
     # Voices as users name them ("Ethan"); the config spells them lower-case and
     # transformers lower-cases what it is given, as resolve_speaker matches.
     speakers: dict[str, Any] = {
