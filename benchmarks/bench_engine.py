@@ -28,6 +28,9 @@ that die with SIGILL)::
       -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
       pip install llama-cpp-python==0.3.36 --no-cache-dir
 
+and on a CPU without AVX-512 (e.g. AMD Zen 3, where omnistage's kernels run
+on AVX2 too) the same with ``-DGGML_AVX512=OFF`` and no ``AVX512_*`` flags.
+
 It is not a dependency of omnistage (nor of its tests); without it row 4 is
 skipped.
 

@@ -4,9 +4,11 @@ The sources are compiled into one library, once per machine, with the
 system C++ compiler (``-O3 -march=native -ffp-contract=off -fopenmp``) into
 ``cache_root()/kernels``, keyed by a hash of the sources, the compiler and
 the CPU's flags, and loaded with ``ctypes``. No torch headers are
-involved, so a build takes a few seconds. Where the
-kernels cannot be had (not x86-64 with AVX-512, no compiler, a failed
-build, or ``OMNISTAGE_NATIVE=0``) :func:`native_kernels` returns ``None``
+involved, so a build takes a few seconds. The kernels are written once
+against ``csrc/simd.h``'s 16-lane vector, which ``-march=native`` makes one
+AVX-512 register or two AVX2 ones, so they run on both kinds of x86-64 CPU.
+Where they cannot be had (not x86-64 with AVX2, FMA and F16C, no compiler,
+a failed build, or ``OMNISTAGE_NATIVE=0``) :func:`native_kernels` returns ``None``
 and callers keep their torch path.
 
 OpenMP: the library links ``libgomp.so.1`` by soname, which resolves to the
@@ -35,13 +37,13 @@ __all__ = ["NATIVE_ENV", "native_kernels"]
 NATIVE_ENV = envs.NATIVE.name  # "0" turns the native kernels off
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
-_REQUIRED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"}
+_REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}  # AVX-512 is used where -march=native has it
 _logger = logging.getLogger(__name__)
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES = {
-    # x, M, K, q, d, m, y, N, threads
-    "group_int8_gemm": (None, [_P, _L, _L, _P, _P, _P, _P, _L, _I]),
+    # x, M, K, q, bits, d, m, y, N, threads
+    "group_int8_gemm": (None, [_P, _L, _L, _P, _I, _P, _P, _P, _L, _I]),
     # w, N, K, q, d, m, threads -> 1 when exact
     "group_int8_encode": (_I, [_P, _L, _L, _P, _P, _P, _I]),
     # q, q_seq_stride, q_head_stride, k, v, kv_head_stride, kv_seq_stride, seq_lens, R, H, Hkv, D, scale, out,

@@ -18,11 +18,11 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
   matmuls use a oneDNN-prepacked copy of the weight (:class:`PackedLinear`);
 - fp32 on CPU with the native kernels (:mod:`omnistage.kernels`):
   a weight loaded from a ``Q4_1`` / ``Q8_0`` GGUF file (the embedded
-  default model) is kept *only* in its exact group-int8 form, 1.25 bytes
-  per weight instead of 4, and every matmul over it, decode row or prefill
-  tile, runs on the group-int8 kernel, which rebuilds exactly the same fp32
-  weights in registers (as fast as oneDNN's fp32 kernels from 1 to 512+
-  rows on SmolLM2's shapes, single-threaded). The HF module's fp32 copy
+  default model) is kept *only* in its exact group-int8 form, 0.625 bytes
+  per weight for Q4_1's 4-bit integers (1.125 for Q8_0's) instead of 4, and
+  every matmul over it, decode row or prefill tile, runs on the group-int8
+  kernel, which multiplies by exactly those fp32 weights without storing
+  them. The HF module's fp32 copy
   is then released (see *Weight ownership* below); a tied embedding is
   looked up from the same int8 rows. RMSNorm, RoPE and SiLU-times-up
   are one native call each instead of two to six torch ops, and decode

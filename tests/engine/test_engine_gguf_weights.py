@@ -12,7 +12,7 @@ from omnistage.kernels.native import native_kernels
 from omnistage.models.loader import load_model
 from omnistage.testing.tiny_checkpoints import TINY_ARCHS, write_tiny_checkpoint
 
-pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need x86-64 AVX-512 and g++")
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need x86-64 AVX2 and g++")
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -8,7 +8,7 @@ import torch
 from omnistage.kernels.attention import native_decode_attention
 from omnistage.kernels.native import native_kernels
 
-pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need x86-64 AVX-512 and g++")
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need x86-64 AVX2 and g++")
 
 
 def reference(query, keys, values, seq_lens, scale):

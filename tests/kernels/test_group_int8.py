@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import omnistage.kernels.native as native
-from omnistage.kernels.group_int8 import encode_group_int8, group_int8_matmul, group_int8_rows
+from omnistage.kernels.group_int8 import GroupInt8Weight, encode_group_int8, group_int8_matmul, group_int8_rows
 
-pytestmark = pytest.mark.skipif(native.native_kernels() is None, reason="native kernels need x86-64 AVX-512 and g++")
+pytestmark = pytest.mark.skipif(native.native_kernels() is None, reason="native kernels need x86-64 AVX2 and g++")
 
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 
@@ -71,6 +71,38 @@ def test_matmul_matches_fp32_linear_on_the_same_weights(rows, kind):
     assert got.shape == (rows, 160) and got.dtype == torch.float32
     # Only the summation order differs from an fp32 matmul: errors of the same size.
     assert (got.double() - exact).abs().max() <= 4 * fp32_err + 1e-6
+
+
+def test_q4_1_weights_take_half_a_byte_per_weight_and_q8_0_a_byte():
+    n, k = 96, 160
+    q4 = encode_group_int8(gguf_weight((n, k), Q4_1))
+    q8 = encode_group_int8(gguf_weight((n, k), Q8_0))
+    mixed = encode_group_int8(torch.cat([gguf_weight((64, k), Q4_1), gguf_weight((32, k), Q8_0, seed=1)]))
+    assert (q4.bits, q8.bits, mixed.bits) == (4, 8, 8)
+    scales = 2 * (n * k // 32) * 2  # fp16 d and m per group of 32
+    assert q4.q.numel() * q4.q.element_size() + scales == n * k * 5 // 8  # GGUF Q4_1's 20 bytes per 32 weights
+    assert q8.q.numel() * q8.q.element_size() + scales == n * k * 9 // 8
+    assert q4.d.dtype == q4.m.dtype == torch.float16
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+def test_4_bit_layout_multiplies_exactly_as_the_8_bit_one(rows):
+    # The same integers in both layouts: the nibbles' power-of-two scaling is exact, so the bits agree
+    # (every nibble position, the sign bit of the top one included, holds values up to 15 here).
+    q4 = encode_group_int8(gguf_weight((64, 256), Q4_1, seed=rows))
+    q8 = GroupInt8Weight(q4.integers().contiguous(), q4.d, q4.m, bits=8)
+    assert q4.integers().max() == 15 and torch.equal(q8.dequantize(), q4.dequantize())
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(group_int8_matmul(x, q4).view(torch.int32), group_int8_matmul(x, q8).view(torch.int32))
+
+
+def test_encode_refuses_offsets_that_are_not_fp16():
+    # w = d * q + m exactly, d an fp16 value, but m = 1 + 2^-20 has no fp16 form: GGUF never writes it.
+    q = torch.arange(32).remainder(16).float().repeat(32, 2)  # every group holds 0..15
+    w = q / 64 + (1 + 2**-20)
+    assert torch.equal((w - (1 + 2**-20)) * 64, q)  # exact in fp32
+    assert encode_group_int8(w) is None
+    assert encode_group_int8(q / 64 + 1) is not None  # the same with an fp16 offset
 
 
 def test_matmul_of_no_rows_is_empty():

@@ -4,7 +4,6 @@
 // contiguous rows), seq_lens[r] keys valid per sequence; query head h reads KV head
 // h / (H / Hkv). out[r, h, :] = softmax(scale * q . k_j) @ v over j < seq_lens[r].
 // One task per (KV head, sequence) pair, so rows of different lengths need no mask.
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -18,33 +17,33 @@ namespace {
 template <int NC>
 void attend(const float* q, const float* keys, const float* values, long len, float scale, float* weights,
             float* out) {
+    using namespace simd;
     constexpr long D = NC * 16;
-    __m512 qv[NC];
-    for (int c = 0; c < NC; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    vf qv[NC];
+    for (int c = 0; c < NC; c++) qv[c] = load(q + 16 * c);
     float top = -INFINITY;
     for (long j = 0; j < len; j++) {
-        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys + j * D));
-        for (int c = 1; c < NC; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + j * D + 16 * c), acc);
-        weights[j] = _mm512_reduce_add_ps(acc) * scale;
+        vf acc = mul(qv[0], load(keys + j * D));
+        for (int c = 1; c < NC; c++) acc = fmadd(qv[c], load(keys + j * D + 16 * c), acc);
+        weights[j] = reduce_add(acc) * scale;
         top = fmaxf(top, weights[j]);
     }
-    __m512 total = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(top);
+    vf total = zero();
+    const vf shift = set1(top);
     for (long j = 0; j < len; j += 16) {
-        __mmask16 live = len - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - j)) - 1);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights + j), shift));
-        e = _mm512_maskz_mov_ps(live, e);
-        _mm512_mask_storeu_ps(weights + j, live, e);
-        total = _mm512_add_ps(total, e);
+        const tail live = first(len - j);
+        const vf e = keep(live, exp_ps(sub(load(weights + j, live), shift)));
+        store(weights + j, live, e);
+        total = add(total, e);
     }
-    __m512 acc[NC];
-    for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+    vf acc[NC];
+    for (int c = 0; c < NC; c++) acc[c] = zero();
     for (long j = 0; j < len; j++) {
-        __m512 w = _mm512_set1_ps(weights[j]);
-        for (int c = 0; c < NC; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(values + j * D + 16 * c), acc[c]);
+        const vf w = set1(weights[j]);
+        for (int c = 0; c < NC; c++) acc[c] = fmadd(w, load(values + j * D + 16 * c), acc[c]);
     }
-    __m512 norm = _mm512_set1_ps(_mm512_reduce_add_ps(total));
-    for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(acc[c], norm));
+    const vf norm = set1(reduce_add(total));
+    for (int c = 0; c < NC; c++) store(out + 16 * c, div(acc[c], norm));
 }
 
 }  // namespace

@@ -3,17 +3,12 @@
 // Each keeps the roundings of the torch expression it replaces (the build turns off
 // floating-point contraction, so a * b + c stays two roundings), except where noted:
 // rms_norm sums its squares in another order, silu_mul's exp is exp_ps.
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #include "simd_exp.h"
 
-namespace {
-
-inline __mmask16 tail_mask(long n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
-}  // namespace
+using namespace simd;
 
 extern "C" {
 
@@ -22,17 +17,17 @@ void rms_norm(const float* x, long M, long K, const float* weight, float eps, fl
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long r = 0; r < M; r++) {
         const float* row = x + r * K;
-        __m512 acc = _mm512_setzero_ps();
+        vf acc = zero();
         for (long i = 0; i < K; i += 16) {
-            __m512 v = _mm512_maskz_loadu_ps(tail_mask(K - i), row + i);
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+            const vf v = load(row + i, first(K - i));
+            acc = add(acc, mul(v, v));
         }
-        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)K + eps);
-        const __m512 scale = _mm512_set1_ps(inv);
+        const float inv = 1.0f / sqrtf(reduce_add(acc) / (float)K + eps);
+        const vf scale = set1(inv);
         for (long i = 0; i < K; i += 16) {
-            const __mmask16 m = tail_mask(K - i);
-            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + i), scale);
-            _mm512_mask_storeu_ps(out + r * K + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, weight + i), v));
+            const tail m = first(K - i);
+            const vf v = mul(load(row + i, m), scale);
+            store(out + r * K + i, m, mul(load(weight + i, m), v));
         }
     }
 }
@@ -49,12 +44,12 @@ void rope(const float* x, long T, long H, long D, long x_stride, const float* co
             const float* in = x + t * x_stride + h * D;
             float* o = out + (t * H + h) * D;
             for (long i = 0; i < D; i += 16) {
-                const __mmask16 m = tail_mask(D - i);
+                const tail m = first(D - i);
                 // Lanes i..i+15 read the other half at (i + half) % D; D/2 a multiple of 16 keeps them in one run.
                 const long j = (i + half) % D;
-                __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, in + i), _mm512_maskz_loadu_ps(m, cos + t * D + i));
-                __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, in + j), _mm512_maskz_loadu_ps(m, sin + t * D + i));
-                _mm512_mask_storeu_ps(o + i, m, _mm512_add_ps(a, b));
+                const vf a = mul(load(in + i, m), load(cos + t * D + i, m));
+                const vf b = mul(load(in + j, m), load(sin + t * D + i, m));
+                store(o + i, m, add(a, b));
             }
         }
     }
@@ -62,15 +57,15 @@ void rope(const float* x, long T, long H, long D, long x_stride, const float* co
 
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [M, 2I] contiguous; silu(x) = x / (1 + e^-x) as torch.
 void silu_mul(const float* gu, long M, long I, float* out, int threads) {
-    const __m512 one = _mm512_set1_ps(1.0f);
+    const vf one = set1(1.0f);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long r = 0; r < M; r++) {
         const float* gate = gu + r * 2 * I;
         for (long i = 0; i < I; i += 16) {
-            const __mmask16 m = tail_mask(I - i);
-            __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-            __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_mask_storeu_ps(out + r * I + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, gate + I + i)));
+            const tail m = first(I - i);
+            const vf g = load(gate + i, m);
+            const vf s = div(g, add(one, exp_ps(sub(zero(), g))));
+            store(out + r * I + i, m, mul(s, load(gate + I + i, m)));
         }
     }
 }

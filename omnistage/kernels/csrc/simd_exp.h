@@ -2,20 +2,21 @@
 // (truncation below 0.1 ulp), then scaled by 2^n. Inputs are clamped to [-104, 89]: below, the result
 // is 0; above, +inf.
 #pragma once
-#include <immintrin.h>
+#include "simd.h"
 
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts: exact n * hi
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+static inline simd::vf exp_ps(simd::vf x) {
+    using namespace simd;
+    x = min(max(x, set1(-104.0f)), set1(89.0f));
+    vf n = round(mul(x, set1(1.44269504088896341f)));
+    vf r = fnmadd(n, set1(0.693145751953125f), x);  // ln2 in two parts: exact n * hi
+    r = fnmadd(n, set1(1.428606765330187e-06f), r);
+    vf p = set1(1.0f / 5040.0f);
+    p = fmadd(p, r, set1(1.0f / 720.0f));
+    p = fmadd(p, r, set1(1.0f / 120.0f));
+    p = fmadd(p, r, set1(1.0f / 24.0f));
+    p = fmadd(p, r, set1(1.0f / 6.0f));
+    p = fmadd(p, r, set1(0.5f));
+    p = fmadd(p, r, set1(1.0f));
+    p = fmadd(p, r, set1(1.0f));
+    return scale_by_pow2(p, n);
 }

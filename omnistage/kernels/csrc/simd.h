@@ -1,0 +1,165 @@
+// 16 fp32 lanes, the kernels' one vector type: one zmm register where the compiler targets
+// AVX-512 (-march=native on such a CPU), two ymm registers on AVX2 + FMA + F16C otherwise.
+//
+// The kernels are written once against these functions. On AVX-512 each is the single
+// intrinsic the kernels called before this header existed; on AVX2 each does the same
+// per-lane arithmetic on two halves, reductions in the same order, so both builds give
+// the same bits.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+
+namespace simd {
+
+#if defined(__AVX512F__)
+
+constexpr int kRegisters = 32;  // vector registers: sets how many rows a matmul block can hold
+using vf = __m512;
+using tail = __mmask16;  // the live lanes of a partial vector
+
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float a) { return _mm512_set1_ps(a); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load_aligned(const float* p) { return _mm512_load_ps(p); }  // p 64-byte aligned
+inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline void store_aligned(float* p, vf a) { _mm512_store_ps(p, a); }
+inline tail first(long n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+inline vf load(const float* p, tail t) { return _mm512_maskz_loadu_ps(t, p); }  // dead lanes read as 0
+inline void store(float* p, tail t, vf a) { _mm512_mask_storeu_ps(p, t, a); }
+inline vf keep(tail t, vf a) { return _mm512_maskz_mov_ps(t, a); }  // dead lanes set to 0
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c, one rounding
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
+inline vf round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+inline vf scale_by_pow2(vf a, vf n) { return _mm512_scalef_ps(a, n); }  // a * 2^n, n integral
+inline float reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+inline float reduce_min(vf a) { return _mm512_reduce_min_ps(a); }
+inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
+// Lane-wise comparisons as 16-bit masks (bit i for lane i).
+inline unsigned ge(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+inline unsigned le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+inline unsigned eq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline vf from_int8(const int8_t* p) {  // 16 int8 to fp32 (exact)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline void store_int32(int32_t* p, vf a) {  // a's lanes rounded to integers (p 64-byte aligned)
+    _mm512_store_si512((__m512i*)p, _mm512_cvtps_epi32(a));
+}
+inline vf from_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+// 16 int32 lanes, for unpacking integers packed into words.
+using vi = __m512i;
+inline vi load_int32(const uint32_t* p) { return _mm512_loadu_si512((const void*)p); }
+inline vi and_int32(vi a, uint32_t mask) { return _mm512_and_si512(a, _mm512_set1_epi32((int)mask)); }
+template <int N>
+inline vi shift_right(vi a) { return _mm512_srli_epi32(a, N); }  // logical
+inline vf to_float(vi a) { return _mm512_cvtepi32_ps(a); }      // signed int32 lanes
+
+#else  // AVX2 + FMA + F16C
+
+constexpr int kRegisters = 8;  // 16 ymm registers hold 8 vf
+struct vf {
+    __m256 lo, hi;
+};
+struct tail {
+    __m256i lo, hi;  // all-ones in live lanes
+};
+
+inline vf zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline vf load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline vf load_aligned(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
+inline void store(float* p, vf a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+inline void store_aligned(float* p, vf a) { _mm256_store_ps(p, a.lo), _mm256_store_ps(p + 8, a.hi); }
+inline tail first(long n) {
+    const __m256i live = _mm256_set1_epi32(n >= 16 ? 16 : (int)n);
+    return {_mm256_cmpgt_epi32(live, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+            _mm256_cmpgt_epi32(live, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15))};
+}
+inline vf load(const float* p, tail t) { return {_mm256_maskload_ps(p, t.lo), _mm256_maskload_ps(p + 8, t.hi)}; }
+inline void store(float* p, tail t, vf a) { _mm256_maskstore_ps(p, t.lo, a.lo), _mm256_maskstore_ps(p + 8, t.hi, a.hi); }
+inline vf keep(tail t, vf a) {
+    return {_mm256_and_ps(_mm256_castsi256_ps(t.lo), a.lo), _mm256_and_ps(_mm256_castsi256_ps(t.hi), a.hi)};
+}
+inline vf add(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vf sub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vf mul(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf div(vf a, vf b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline vf min(vf a, vf b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline vf max(vf a, vf b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vf fmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf fnmadd(vf a, vf b, vf c) {
+    return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline vf round(vf a) {
+    constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+// a * 2^n as AVX-512's scalef rounds it, for integral n in [-252, 254] and a within a few binades
+// of 1 (as exp_ps has): two power-of-two factors, each a normal float, the first product exact,
+// so only the second rounds, once, as scalef's single product does.
+inline __m256 scale_by_pow2(__m256 a, __m256 n) {
+    const __m256i e = _mm256_cvtps_epi32(n), e1 = _mm256_srai_epi32(e, 1), e2 = _mm256_sub_epi32(e, e1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e1, bias), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(a, f1), f2);
+}
+inline vf scale_by_pow2(vf a, vf n) { return {scale_by_pow2(a.lo, n.lo), scale_by_pow2(a.hi, n.hi)}; }
+// Sums lo + hi, then halves of that, then pairs: the order of GCC's _mm512_reduce_add_ps.
+inline float reduce_add(vf a) {
+    __m256 s = _mm256_add_ps(a.lo, a.hi);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+inline float reduce_min(vf a) {
+    __m256 s = _mm256_min_ps(a.lo, a.hi);
+    __m128 h = _mm_min_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_min_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_min_ss(h, _mm_movehdup_ps(h)));
+}
+inline float reduce_max(vf a) {
+    __m256 s = _mm256_max_ps(a.lo, a.hi);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+inline unsigned bits(__m256 lo, __m256 hi) {
+    return (unsigned)_mm256_movemask_ps(lo) | ((unsigned)_mm256_movemask_ps(hi) << 8);
+}
+inline unsigned ge(vf a, vf b) { return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ)); }
+inline unsigned le(vf a, vf b) { return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_LE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LE_OQ)); }
+inline unsigned eq(vf a, vf b) { return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ)); }
+inline vf from_int8(const int8_t* p) {
+    const __m128i q = _mm_loadu_si128((const __m128i*)p);
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+inline void store_int32(int32_t* p, vf a) {
+    _mm256_store_si256((__m256i*)p, _mm256_cvtps_epi32(a.lo));
+    _mm256_store_si256((__m256i*)(p + 8), _mm256_cvtps_epi32(a.hi));
+}
+inline vf from_fp16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+struct vi {
+    __m256i lo, hi;
+};
+inline vi load_int32(const uint32_t* p) {
+    return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 8))};
+}
+inline vi and_int32(vi a, uint32_t mask) {
+    const __m256i m = _mm256_set1_epi32((int)mask);
+    return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
+}
+template <int N>
+inline vi shift_right(vi a) { return {_mm256_srli_epi32(a.lo, N), _mm256_srli_epi32(a.hi, N)}; }
+inline vf to_float(vi a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+
+#endif
+
+}  // namespace simd
