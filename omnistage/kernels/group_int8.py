@@ -20,7 +20,7 @@ unavailable :func:`encode_group_int8` returns ``None`` and callers keep fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,14 +49,13 @@ class GroupInt8Weight:
     d: torch.Tensor
     m: torch.Tensor
     bits: int
+    # Derived once: a decode step makes ~120 matmul calls, whose Python cost is part of its time.
+    out_features: int = field(init=False)
+    in_features: int = field(init=False)
 
-    @property
-    def out_features(self) -> int:
-        return self.q.shape[0] * TILE
-
-    @property
-    def in_features(self) -> int:
-        return self.d.shape[1] * GROUP
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_features", self.q.shape[0] * TILE)
+        object.__setattr__(self, "in_features", self.d.shape[1] * GROUP)
 
     def integers(self) -> torch.Tensor:
         """``q`` as int8 ``[N / 32, K, 32]`` (the 4-bit words unpacked)."""
@@ -120,16 +119,17 @@ def group_int8_matmul(x: torch.Tensor, weight: GroupInt8Weight) -> torch.Tensor:
     """``x @ w.T`` for fp32 CPU ``x`` ``[M, K]``; ``weight`` from :func:`encode_group_int8`."""
     lib = native_kernels()
     assert lib is not None, "a GroupInt8Weight exists only where the native kernels do"
-    if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+    k, n = weight.in_features, weight.out_features
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(
-            f"group_int8_matmul: expected fp32 CPU input [rows, {weight.in_features}], "
-            f"got {x.dtype} {x.device.type} {tuple(x.shape)}"
+            f"group_int8_matmul: expected fp32 CPU input [rows, {k}], got {x.dtype} {x.device.type} {tuple(x.shape)}"
         )
     x = x.contiguous()
-    out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=torch.float32)
     lib.group_int8_gemm(
-        x.data_ptr(), x.shape[0], weight.in_features, weight.q.data_ptr(), weight.bits, weight.d.data_ptr(),
-        weight.m.data_ptr(), out.data_ptr(), weight.out_features, torch.get_num_threads(),
+        x.data_ptr(), rows, k, weight.q.data_ptr(), weight.bits, weight.d.data_ptr(), weight.m.data_ptr(),
+        out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
     return out
 
