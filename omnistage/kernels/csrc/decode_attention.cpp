@@ -54,7 +54,12 @@ extern "C" int decode_attention(const float* q, long q_seq_stride, long q_head_s
                                 long R, long H, long Hkv, long D, float scale, float* out, int threads) {
     if (D != 32 && D != 64 && D != 128) return 0;
     const long group = H / Hkv;
-#pragma omp parallel num_threads(threads)
+    long keys = 0;
+    for (long r = 0; r < R; r++) keys += seq_lens[r];
+    // Below ~500k multiply-adds (a batch-1 context of a few hundred tokens) the calling thread alone is
+    // faster than waking the pool, by far when the other cores are busy.
+    const bool parallel = keys * H * D * 2 >= (1L << 19);
+#pragma omp parallel num_threads(threads) if (parallel)
     {
         std::vector<float> weights;
 #pragma omp for collapse(2) schedule(static)

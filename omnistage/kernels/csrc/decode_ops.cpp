@@ -1,5 +1,8 @@
 // The lean decoder's elementwise steps, one call each instead of several torch ops.
 //
+// A single row (a batch-1 decode step) runs on the calling thread: waking the pool would cost more
+// than the row's work.
+//
 // Each keeps the roundings of the torch expression it replaces (the build turns off
 // floating-point contraction, so a * b + c stays two roundings), except where noted:
 // rms_norm sums its squares in another order, silu_mul's exp is exp_ps.
@@ -14,7 +17,7 @@ extern "C" {
 
 // out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for x [M, K] contiguous: HF's RMSNorm in fp32.
 void rms_norm(const float* x, long M, long K, const float* weight, float eps, float* out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
     for (long r = 0; r < M; r++) {
         const float* row = x + r * K;
         vf acc = zero();
@@ -38,7 +41,7 @@ void rms_norm(const float* x, long M, long K, const float* weight, float eps, fl
 void rope(const float* x, long T, long H, long D, long x_stride, const float* cos, const float* sin, float* out,
           int threads) {
     const long half = D / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
     for (long t = 0; t < T; t++) {
         for (long h = 0; h < H; h++) {
             const float* in = x + t * x_stride + h * D;
@@ -58,7 +61,7 @@ void rope(const float* x, long T, long H, long D, long x_stride, const float* co
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [M, 2I] contiguous; silu(x) = x / (1 + e^-x) as torch.
 void silu_mul(const float* gu, long M, long I, float* out, int threads) {
     const vf one = set1(1.0f);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
     for (long r = 0; r < M; r++) {
         const float* gate = gu + r * 2 * I;
         for (long i = 0; i < I; i += 16) {
