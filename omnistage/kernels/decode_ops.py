@@ -70,16 +70,18 @@ def native_kv_store(
     ``index`` of the contiguous ``[Hkv, R, capacity, D]`` dense view. ``False`` (nothing
     written) where a layout or dtype does not fit the kernel; the caller copies then."""
     heads, tokens, dim = key.shape
-    tensors = [key, value, cache] + ([dense[0], dense[1]] if dense is not None else [])
-    indices = [slots] + ([dense[2]] if dense is not None else [])
+    # Plain checks, no generators: this runs once per layer of every decode step.
     if (
-        any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)
+        not (_is_fp32_cpu(key) and _is_fp32_cpu(value) and _is_fp32_cpu(cache) and cache.is_contiguous())
         or key.stride(2) != 1
         or value.stride(2) != 1
-        or not cache.is_contiguous()
-        or any(i.dtype != torch.int64 or not i.is_contiguous() or i.numel() != tokens for i in indices)
-        or (dense is not None and not (dense[0].is_contiguous() and dense[1].is_contiguous()))
+        or not _is_index(slots, tokens)
     ):
+        return False
+    if dense is not None and not (
+        _is_fp32_cpu(dense[0]) and _is_fp32_cpu(dense[1]) and dense[0].is_contiguous() and dense[1].is_contiguous()
+        and _is_index(dense[2], tokens)
+    ):  # fmt: skip
         return False
     dense_k = dense_v = dense_index = None
     dense_hs = 0
@@ -92,3 +94,11 @@ def native_kv_store(
         dense_k, dense_v, dense_hs, dense_index,
     )  # fmt: skip
     return True
+
+
+def _is_fp32_cpu(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_cpu
+
+
+def _is_index(i: torch.Tensor, n: int) -> bool:
+    return i.dtype == torch.int64 and i.is_contiguous() and i.numel() == n
