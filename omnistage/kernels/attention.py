@@ -33,7 +33,7 @@ def native_decode_attention(
     if (
         lib is None
         or query.dtype != torch.float32
-        or query.device.type != "cpu"
+        or not query.is_cpu
         or dim not in (32, 64, 128)
         or num_heads % num_kv_heads
         or query.stride(2) != 1
