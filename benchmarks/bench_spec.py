@@ -10,8 +10,8 @@ both emit the same tokens, which is checked):
 2. open-ended chat prompts at batch 1 and 8 (target 0.97x: never a slowdown),
    with ``ngram`` and with ``eagle`` and a random head (written here with the
    model's width: it agrees with the model almost never, so the row shows
-   what the draft policy's probes with back-off plus the head's own pass over
-   every verified token (its KV, run each step) cost; target 0.97x);
+   what the draft policy's probes with back-off cost, each with the head's
+   catch-up pass over the positions it skipped since the last one; target 0.97x);
 3. the cost of a step that verifies ``k`` drafts relative to a one-token
    decode step, ``k = 1..8``, at batch 1 and 8 (drafts forced to a token
    the model will not emit, so every step emits one token): it sets what

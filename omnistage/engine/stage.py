@@ -72,6 +72,7 @@ class StageHeld:
     encoder_requests: int = 0  # requests registered with the worker's encoder cache
     parked_generators: int = 0  # random streams of preempted seeded requests, kept for their resume
     remote_encoder_outputs: int = 0  # encoder-worker outputs the stage still references (EPD)
+    drafter_kept: int = 0  # EAGLE: requests whose kept target rows still owe a head pass
 
     @property
     def is_empty(self) -> bool:

@@ -411,6 +411,7 @@ class StageEngine:
         )
         if isinstance(runner, ModelRunner):
             held.parked_generators = runner.num_parked_generators
+            held.drafter_kept = runner.num_drafter_kept
             if runner.tensor_cache is not None:
                 held.staged_tensors = runner.tensor_cache.num_staged_requests
             if runner.encoder_cache is not None:

@@ -2,17 +2,38 @@
 
 Policy:
 
-- **Every verified token goes through the head**, whichever request it
-  belongs to (prefill chunks, plain decodes, verified drafts; rejected drafts
-  never): at position ``q`` the head reads the target's final hidden state
-  at ``q`` and the input embedding of token ``q + 1`` (for a multimodal
-  target at a placeholder position, the encoder row of ``q + 1``:
-  ``gather_mm_embeddings(draft_lookahead=1)``, which falls back to the token
-  embedding when the item starting at the window's end is not encoded yet).
-  That writes the head's KV for exactly the positions whose target KV exists.
+- **The head's KV follows the target's, lazily.** At position ``q`` the head
+  reads the target's final hidden state at ``q`` and the input embedding of
+  token ``q + 1`` (for a multimodal target at a placeholder position, the
+  encoder row of ``q + 1``: ``gather_mm_embeddings(draft_lookahead=1)``,
+  which falls back to the token embedding when the item starting at the
+  window's end is not encoded yet); that writes the head's KV at ``q``.
+  Only verified tokens go through it (prefill chunks, plain decodes,
+  verified drafts; rejected drafts never). A request that samples this step
+  without being asked for drafts (``draft_token_requests``: the draft policy
+  left it at zero and no probe is due) skips the head pass for its
+  generated tokens: their target hidden states are kept instead, in a
+  bounded per-request window (``CATCH_UP_WINDOW`` positions, in one pool
+  preallocated for ``max_num_seqs`` requests: ``max_num_seqs * 64 * hidden``
+  values, 9.4 MB for the embedded default's 64 x 576 fp32; a window is freed
+  once caught up, and with its request). The head runs over the kept
+  positions and the step's tokens together, in one pass, when the request
+  is next asked for drafts (the catch-up, at draft time: the scheduler needs
+  to know nothing about it), when the window would overflow, and when the
+  request leaves the batch (finished, aborted, preempted: ``release``), so
+  no position is ever lost: once a request drafts or leaves, the head's KV
+  is exactly what running the head every step would have written, and a
+  prefix hit on its blocks reads complete head KV (a hit on the generated
+  blocks of a request still running and skipping could read positions whose
+  head KV is still owed: only the hitting request's drafts' quality can
+  differ, verification keeps its output exact). Prompt positions are
+  never kept (a prefill chunk runs the head at once: the encoder rows it may
+  read are there only now). A step where no request drafts, catches up or
+  fills its window runs no head at all: it costs a speculation-off step
+  plus one copy of the kept rows.
 - **Its KV is paged like the target's**: one layer, its own tensors, the
   target's block ids and slots. So it is allocated, shared on a prefix hit,
-  and freed with the request's blocks, and needs no bookkeeping of its own.
+  and freed with the request's blocks, and needs no block bookkeeping of its own.
   (A prefix hit's last cached position holds the head's KV computed with the
   earlier request's next token: only the drafts' quality can differ.)
 - **Drafting**: for the requests the scheduler names
@@ -20,15 +41,16 @@ Policy:
   position gives draft 1 through the target's LM head (argmax: drafts are
   deterministic, which the rejection sampler assumes), then ``k - 1`` more
   single-token steps feed back the draft and the head's own output. Those
-  steps write the head's KV past the verified tokens; the next step's pass
-  overwrites it. A request stops drafting where its next position has no
-  allocated KV slot (the scheduler reserves ``k - 1`` when it can) or
-  reaches ``max_model_len``.
+  steps write the head's KV past the verified tokens; the next head pass
+  over those positions (that step's, or a catch-up) overwrites it. A
+  request stops drafting where its next position has no allocated KV slot
+  (the scheduler reserves ``k - 1`` when it can) or reaches
+  ``max_model_len``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +63,18 @@ from omnistage.attention.paged_attention import (
 )
 from omnistage.worker.input_batch import BatchStep, InputBatch
 
-__all__ = ["EagleProposer"]
+__all__ = ["CATCH_UP_WINDOW", "EagleProposer"]
+
+# Positions of target hidden states kept per request while the head is skipped:
+# the draft policy's longest probe gap (core/spec_policy.PROBE_MAX_GAP), so a
+# request probed on schedule catches up in one pass without ever overflowing.
+CATCH_UP_WINDOW = 64
 
 
 @dataclass
-class _DraftStep:
-    """A single-token-per-request step of the head (what attention metadata needs)."""
+class _HeadStep:
+    """A step of the head (what attention metadata needs): one segment of
+    consecutive positions per request."""
 
     req_ids: list[str]
     num_scheduled_tokens: np.ndarray
@@ -57,6 +85,16 @@ class _DraftStep:
     input_ids: torch.Tensor
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
+
+
+@dataclass
+class _Kept:
+    """A request's positions ``[start, start + count)`` whose head pass is owed; their
+    target hidden states are rows ``[0, count)`` of pool slot ``slot``."""
+
+    slot: int
+    start: int
+    count: int = 0
 
 
 class EagleProposer:
@@ -70,6 +108,8 @@ class EagleProposer:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        max_num_seqs: int,
+        window: int = CATCH_UP_WINDOW,
     ) -> None:
         self.head = head
         self.target = target
@@ -85,6 +125,23 @@ class EagleProposer:
             head.dtype,
             device,
         )
+        self.window = window
+        # Kept target hidden states, one window per request that skips the head.
+        self._pool = torch.empty(
+            (max_num_seqs, window, target.hidden_size),
+            dtype=target.dtype,
+            device=device,
+        )
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._kept: dict[str, _Kept] = {}
+        self.num_head_tokens = (
+            0  # positions run through the head (catch-ups included), for tests
+        )
+
+    @property
+    def num_kept_requests(self) -> int:
+        """Requests whose head pass is owed (for leak checks: zero once all left)."""
+        return len(self._kept)
 
     @torch.inference_mode()
     def propose(
@@ -97,35 +154,56 @@ class EagleProposer:
     ) -> dict[str, list[int]]:
         """Run the head over ``step`` (the verified tokens of a step, with their
         target hidden states ``[step.num_tokens, hidden]``; ``batch`` already
-        holds the tokens sampled for it) and draft for the requests in ``wanted``."""
-        n = step.num_tokens
-        positions = step.positions[:n]
-        pos_np = positions.cpu().numpy()
-        token_rows = np.repeat(step.rows, step.num_scheduled_tokens)
-        next_ids = torch.from_numpy(batch.token_ids_cpu[token_rows, pos_np + 1]).to(
-            self.device
-        )
-        embeds = self._embed_next(step, next_ids, model_state)
-        md = build_attention_metadata(step, self.block_size)
-        out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches)
-
+        holds the tokens sampled for it), or keep the rows of requests that skip
+        it, and draft for the requests in ``wanted``."""
         sampled = set(step.sampling_req_ids)
+        run, skip = [], []
+        for i, r in enumerate(step.req_ids):
+            kept = self._kept.get(r)
+            if (
+                kept is not None
+                and kept.start + kept.count != step.num_computed_tokens[i]
+            ):
+                # Not contiguous with this step (cannot happen while the batch and the
+                # scheduler agree): the kept rows no longer match, so drop them; their
+                # positions' head KV stays stale, which only drafts' quality reads.
+                self.discard(r)
+                kept = None
+            held = kept.count if kept is not None else 0
+            skips = (
+                wanted.get(r, 0) == 0
+                and r in sampled
+                and step.num_computed_tokens[i] >= step.prefill_lens[i]
+                and held + int(step.num_scheduled_tokens[i]) <= self.window
+            )
+            (skip if skips else run).append(i)
+        if skip:
+            self._keep(step, target_hidden, skip)
+        if not run:
+            return {}
+        if len(run) == len(step.req_ids) and not any(
+            r in self._kept for r in step.req_ids
+        ):
+            out, last = self._run_step(step, target_hidden, batch, model_state)
+        else:
+            out, last = self._run_segments(step, target_hidden, batch, model_state, run)
+
         chosen = [
-            i
-            for i, r in enumerate(step.req_ids)
-            if wanted.get(r, 0) > 0 and r in sampled
+            j
+            for j, i in enumerate(run)
+            if wanted.get(step.req_ids[i], 0) > 0 and step.req_ids[i] in sampled
         ]
         if not chosen:
             return {}
-        last = torch.from_numpy(step.query_start_loc[1:][chosen] - 1).to(self.device)
-        hidden = out.index_select(0, last)
+        idx = [run[j] for j in chosen]
+        hidden = out.index_select(0, torch.from_numpy(last[chosen]).to(self.device))
         tokens = self._argmax(hidden)
-        req_ids = [step.req_ids[i] for i in chosen]
+        req_ids = [step.req_ids[i] for i in idx]
         drafts = {r: [t] for r, t in zip(req_ids, tokens.tolist())}
-        rows = step.rows[chosen]
+        rows = step.rows[idx]
         budget = np.array([wanted[r] for r in req_ids], dtype=np.int64)
         # Position of the next head step: the emitted token's (one past the last verified).
-        pos = step.seq_lens[chosen].astype(np.int64)
+        pos = step.seq_lens[idx].astype(np.int64)
         table = batch.block_table[0]
         active = np.arange(len(req_ids))
         for j in range(1, int(budget.max())):
@@ -143,19 +221,181 @@ class EagleProposer:
             if not len(active):
                 break
             p = pos[active]
-            dstep = self._decode_step(
-                [req_ids[a] for a in active], rows[active], p, table, tokens
+            dstep = self._head_step(
+                [req_ids[a] for a in active],
+                rows[active],
+                p,
+                np.ones(len(active), dtype=np.int64),
+                table,
+                tokens,
             )
             md = build_attention_metadata(dstep, self.block_size)
             embeds = self.target.embed_input_ids(tokens)
             hidden = self.head(
                 embeds, hidden, torch.from_numpy(p).to(self.device), md, self.kv_caches
             )
+            self.num_head_tokens += len(active)
             tokens = self._argmax(hidden)
             for a, t in zip(active.tolist(), tokens.tolist()):
                 drafts[req_ids[a]].append(t)
             pos[active] += 1
         return drafts
+
+    @torch.inference_mode()
+    def release(self, req_ids: Collection[str], batch: InputBatch) -> None:
+        """Requests leaving the batch (their rows still in it): run the head over
+        their kept positions, so their blocks hold complete head KV for a prefix
+        hit or a resume, and free their windows."""
+        if not self._kept:
+            return
+        leaving = [r for r in req_ids if r in self._kept and r in batch.req_id_to_index]
+        if leaving:
+            rows = np.array([batch.req_id_to_index[r] for r in leaving], dtype=np.int64)
+            segs = [self._kept[r] for r in leaving]
+            starts = np.array([k.start for k in segs], dtype=np.int64)
+            counts = np.array([k.count for k in segs], dtype=np.int64)
+            pos = np.concatenate([np.arange(k.start, k.start + k.count) for k in segs])
+            next_ids = torch.from_numpy(
+                batch.token_ids_cpu[np.repeat(rows, counts), pos + 1]
+            ).to(self.device)
+            embeds = self.target.embed_input_ids(next_ids)
+            hidden = torch.cat([self._pool[k.slot, : k.count] for k in segs])
+            hstep = self._head_step(
+                leaving, rows, starts, counts, batch.block_table[0], next_ids
+            )
+            md = build_attention_metadata(hstep, self.block_size)
+            self.head(
+                embeds,
+                hidden,
+                torch.from_numpy(pos).to(self.device),
+                md,
+                self.kv_caches,
+            )
+            self.num_head_tokens += len(pos)
+        for r in req_ids:
+            self.discard(r)
+
+    def _keep(
+        self, step: BatchStep, target_hidden: torch.Tensor, skip: list[int]
+    ) -> None:
+        """Copy the skipping requests' rows of this step into their windows (a slice
+        copy each: usually one row, cheaper than building an index)."""
+        for i in skip:
+            r = step.req_ids[i]
+            kept = self._kept.get(r)
+            if kept is None:
+                kept = self._kept[r] = _Kept(
+                    self._free_slots.pop(), int(step.num_computed_tokens[i])
+                )
+            k = int(step.num_scheduled_tokens[i])
+            a = int(step.query_start_loc[i])
+            self._pool[kept.slot, kept.count : kept.count + k].copy_(
+                target_hidden[a : a + k]
+            )
+            kept.count += k
+
+    def discard(self, req_id: str) -> None:
+        """Free ``req_id``'s window without running the head (its owed positions stay stale)."""
+        kept = self._kept.pop(req_id, None)
+        if kept is not None:
+            self._free_slots.append(kept.slot)
+
+    def _run_step(
+        self,
+        step: BatchStep,
+        target_hidden: torch.Tensor,
+        batch: InputBatch,
+        model_state: Any | None,
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """The head over the whole step (no request skips or catches up): its output
+        and the packed index of each request's last row."""
+        n = step.num_tokens
+        positions = step.positions[:n]
+        pos_np = positions.cpu().numpy()
+        token_rows = np.repeat(step.rows, step.num_scheduled_tokens)
+        next_ids = torch.from_numpy(batch.token_ids_cpu[token_rows, pos_np + 1]).to(
+            self.device
+        )
+        embeds = self._embed_next(step, next_ids, model_state)
+        md = build_attention_metadata(step, self.block_size)
+        out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches)
+        self.num_head_tokens += n
+        return out, step.query_start_loc[1:] - 1
+
+    def _run_segments(
+        self,
+        step: BatchStep,
+        target_hidden: torch.Tensor,
+        batch: InputBatch,
+        model_state: Any | None,
+        run: list[int],
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """The head over the ``run`` requests of the step, each one's kept positions
+        (its catch-up) before its step tokens, in one pass: its output and the
+        packed index of each run request's last row. A kept request catches up
+        here and its window is freed."""
+        n = step.num_tokens
+        step_pos = step.positions[:n].cpu().numpy()
+        token_rows = np.repeat(step.rows, step.num_scheduled_tokens)
+        step_next = torch.from_numpy(batch.token_ids_cpu[token_rows, step_pos + 1]).to(
+            self.device
+        )
+        step_embeds = self._embed_next(step, step_next, model_state)
+        qsl = step.query_start_loc
+        kept = [self._kept.get(step.req_ids[i]) for i in run]
+        counts = np.array([k.count if k else 0 for k in kept], dtype=np.int64)
+        # Rows of the head's input, in order: an index into [step rows, kept rows].
+        num_kept = int(counts.sum())
+        order, positions, kept_rows, kept_pos = [], [], [], []
+        offset = n
+        for i, k in zip(run, kept):
+            if k is not None:
+                order.append(np.arange(offset, offset + k.count))
+                kept_pos.append(np.arange(k.start, k.start + k.count))
+                kept_rows.append(np.full(k.count, step.rows[i], dtype=np.int64))
+                positions.append(kept_pos[-1])
+                offset += k.count
+            order.append(np.arange(qsl[i], qsl[i + 1]))
+            positions.append(step_pos[qsl[i] : qsl[i + 1]])
+        index = torch.from_numpy(np.concatenate(order)).to(self.device)
+        pos = np.concatenate(positions)
+        hidden_src, embed_src = target_hidden[:n], step_embeds
+        if num_kept:
+            kp = np.concatenate(kept_pos)
+            kept_next = torch.from_numpy(
+                batch.token_ids_cpu[np.concatenate(kept_rows), kp + 1]
+            ).to(self.device)
+            hidden_src = torch.cat(
+                [
+                    hidden_src,
+                    *(self._pool[k.slot, : k.count] for k in kept if k is not None),
+                ]
+            )
+            embed_src = torch.cat([embed_src, self.target.embed_input_ids(kept_next)])
+        rows = step.rows[run]
+        scheduled = step.num_scheduled_tokens[run] + counts
+        starts = step.num_computed_tokens[run] - counts
+        hstep = self._head_step(
+            [step.req_ids[i] for i in run],
+            rows,
+            starts,
+            scheduled,
+            batch.block_table[0],
+            index,
+        )
+        md = build_attention_metadata(hstep, self.block_size)
+        out = self.head(
+            embed_src.index_select(0, index),
+            hidden_src.index_select(0, index),
+            torch.from_numpy(pos).to(self.device),
+            md,
+            self.kv_caches,
+        )
+        self.num_head_tokens += len(pos)
+        for i, k in zip(run, kept):
+            if k is not None:
+                self.discard(step.req_ids[i])
+        return out, hstep.query_start_loc[1:] - 1
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         greedy = getattr(self.target, "greedy_token_ids", None)
@@ -175,29 +415,34 @@ class EagleProposer:
                 )
         return self.target.embed_input_ids(next_ids)
 
-    def _decode_step(
+    def _head_step(
         self,
         req_ids: list[str],
         rows: np.ndarray,
-        positions: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
         table: Any,
-        tokens: torch.Tensor,
-    ) -> _DraftStep:
+        input_ids: torch.Tensor,
+    ) -> _HeadStep:
+        """Positions ``[starts[i], starts[i] + counts[i])`` of each request (batch ``rows``)."""
         r = len(req_ids)
-        slots = table.compute_slot_mapping(rows, positions)
-        seq_lens = positions + 1
+        qsl = np.zeros(r + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        seq_lens = starts + counts
+        positions = np.repeat(starts - qsl[:-1], counts) + np.arange(int(qsl[-1]))
+        slots = table.compute_slot_mapping(np.repeat(rows, counts), positions)
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         block_table = table.block_table.cpu[torch.from_numpy(rows), :max_blocks].to(
             self.device
         )
-        return _DraftStep(
+        return _HeadStep(
             req_ids=req_ids,
-            num_scheduled_tokens=np.ones(r, dtype=np.int64),
-            num_computed_tokens=positions,
+            num_scheduled_tokens=np.asarray(counts, dtype=np.int64),
+            num_computed_tokens=np.asarray(starts, dtype=np.int64),
             seq_lens=seq_lens,
-            query_start_loc=np.arange(r + 1, dtype=np.int64),
-            num_tokens=r,
-            input_ids=tokens,
+            query_start_loc=qsl,
+            num_tokens=int(qsl[-1]),
+            input_ids=input_ids,
             slot_mapping=torch.from_numpy(slots).to(self.device),
             block_table=block_table,
         )

@@ -142,17 +142,22 @@ class ModelRunner:
         self.tensor_cache: StepTensorCache | None = None
         if enable_tensor_cache and policy.caches_anything:
             self.tensor_cache = StepTensorCache(policy, num_kv_blocks, block_size, m.hidden_size, m.dtype)
-        # Speculative decoding with a worker-side drafter (an EAGLE head): it runs after
-        # every target forward over the verified tokens and drafts for the next step.
+        # Speculative decoding with a worker-side drafter (an EAGLE head): after each target
+        # forward it runs over the verified tokens (or keeps them, for a request that does
+        # not draft, until it does: worker/eagle_proposer.py) and drafts for the next step.
         self.proposer: EagleProposer | None = None
         if drafter is not None:
-            self.proposer = EagleProposer(drafter, m, num_kv_blocks, block_size, max_model_len, self.device)
+            self.proposer = EagleProposer(
+                drafter, m, num_kv_blocks, block_size, max_model_len, self.device, max_num_seqs
+            )
 
     # -- batch bookkeeping ----------------------------------------------------
 
     def _remove(self, req_id: str) -> None:
         # A preempted request comes back as new, bringing its payload again.
         self._payloads.pop(req_id, None)
+        if self.proposer is not None:
+            self.proposer.discard(req_id)  # released (caught up) first when it left normally
         self._returns_rows.discard(req_id)
         if self.encoder_cache is not None:
             self.encoder_cache.remove_request(req_id)  # its encoder outputs stay: they are shared
@@ -167,6 +172,9 @@ class ModelRunner:
         if self.tensor_cache is not None:
             # Deferred outputs of finished requests are committed while their rows still exist.
             self.tensor_cache.begin_step(so, batch)
+        if self.proposer is not None:
+            # The head's owed positions of leaving requests, while their rows are still here.
+            self.proposer.release(so.finished_req_ids | so.aborted_req_ids | so.preempted_req_ids, batch)
         for req_id in so.finished_req_ids | so.aborted_req_ids:
             self._parked_generators.pop(req_id, None)
             self._remove(req_id)
@@ -248,6 +256,11 @@ class ModelRunner:
     def num_payloads(self) -> int:
         """Requests whose payload or per-token flag the runner holds (for leak checks)."""
         return len(self._payloads.keys() | self._returns_rows)
+
+    @property
+    def num_drafter_kept(self) -> int:
+        """Requests whose EAGLE head pass is owed (kept target rows; for leak checks)."""
+        return self.proposer.num_kept_requests if self.proposer is not None else 0
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
