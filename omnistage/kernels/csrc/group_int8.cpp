@@ -216,13 +216,17 @@ void gemm(const float* x, long M, long K, const void* q, const uint16_t* d, cons
           int threads) {
     const long tiles = N / kTile, groups = K / kGroup;
     const long tile_bytes = BITS == 8 ? K * kTile : K / 8 * kTile * 4;
-    // For 1 or 2 rows: x scaled for the 4-bit layout's nibbles, and its per-group sums.
-    std::vector<float> xs, xsum;
+    // For 1 or 2 rows: x's per-group sums and, for the 4-bit layout, x scaled for its nibbles.
+    std::vector<float> scaled, xsum;
+    const float* xs = x;
     if (M <= 2) {
-        xs.resize(M * K);
         xsum.resize(M * groups);
+        if (BITS == 4) {
+            scaled.resize(M * K);
+            for (long i = 0; i < M * K; i++) scaled[i] = x[i] * nibble_unscale(i % K % 8);
+            xs = scaled.data();
+        }
         for (long r = 0; r < M; r++) {
-            for (long k = 0; k < K; k++) xs[r * K + k] = x[r * K + k] * (BITS == 4 ? nibble_unscale(k % 8) : 1.0f);
             for (long g = 0; g < groups; g++) {
                 float s = 0.0f;
                 for (long k = g * kGroup; k < (g + 1) * kGroup; k++) s += x[r * K + k];
@@ -240,8 +244,8 @@ void gemm(const float* x, long M, long K, const void* q, const uint16_t* d, cons
             const uint16_t* dt = d + t * groups * kTile;
             const uint16_t* mt = m + t * groups * kTile;
             float* yt = y + t * kTile;
-            if (M == 1) { rows_times_tile<1, BITS>(xs.data(), xsum.data(), K, qt, dt, mt, yt, N); continue; }
-            if (M == 2) { rows_times_tile<2, BITS>(xs.data(), xsum.data(), K, qt, dt, mt, yt, N); continue; }
+            if (M == 1) { rows_times_tile<1, BITS>(xs, xsum.data(), K, qt, dt, mt, yt, N); continue; }
+            if (M == 2) { rows_times_tile<2, BITS>(xs, xsum.data(), K, qt, dt, mt, yt, N); continue; }
             build_panel<BITS>(K, qt, dt, mt, panel);
             long r = 0;
             for (; r + kBlockRows <= M; r += kBlockRows) rows_times_panel<kBlockRows>(x + r * K, K, panel, yt + r * N, N);

@@ -110,31 +110,39 @@ inline __m256 scale_by_pow2(__m256 a, __m256 n) {
     return _mm256_mul_ps(_mm256_mul_ps(a, f1), f2);
 }
 inline vf scale_by_pow2(vf a, vf n) { return {scale_by_pow2(a.lo, n.lo), scale_by_pow2(a.hi, n.hi)}; }
-// Sums lo + hi, then halves of that, then pairs: the order of GCC's _mm512_reduce_add_ps.
-inline float reduce_add(vf a) {
-    __m256 s = _mm256_add_ps(a.lo, a.hi);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+// Folds the 16 lanes with op: lo with hi, then halves of that, then pairs, the order of GCC's
+// _mm512_reduce_*_ps. Op has an __m256 and an __m128 overload.
+template <typename Op>
+inline float reduce(vf a, Op op) {
+    const __m256 s = op(a.lo, a.hi);
+    __m128 h = op(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = op(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(op(h, _mm_movehdup_ps(h)));
 }
-inline float reduce_min(vf a) {
-    __m256 s = _mm256_min_ps(a.lo, a.hi);
-    __m128 h = _mm_min_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_min_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_min_ss(h, _mm_movehdup_ps(h)));
+struct Add {
+    __m256 operator()(__m256 a, __m256 b) const { return _mm256_add_ps(a, b); }
+    __m128 operator()(__m128 a, __m128 b) const { return _mm_add_ps(a, b); }
+};
+struct Min {
+    __m256 operator()(__m256 a, __m256 b) const { return _mm256_min_ps(a, b); }
+    __m128 operator()(__m128 a, __m128 b) const { return _mm_min_ps(a, b); }
+};
+struct Max {
+    __m256 operator()(__m256 a, __m256 b) const { return _mm256_max_ps(a, b); }
+    __m128 operator()(__m128 a, __m128 b) const { return _mm_max_ps(a, b); }
+};
+inline float reduce_add(vf a) { return reduce(a, Add{}); }
+inline float reduce_min(vf a) { return reduce(a, Min{}); }
+inline float reduce_max(vf a) { return reduce(a, Max{}); }
+// Lane-wise comparison with predicate P as a 16-bit mask (bit i for lane i).
+template <int P>
+inline unsigned compare(vf a, vf b) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, P)) |
+           ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, P)) << 8);
 }
-inline float reduce_max(vf a) {
-    __m256 s = _mm256_max_ps(a.lo, a.hi);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-inline unsigned bits(__m256 lo, __m256 hi) {
-    return (unsigned)_mm256_movemask_ps(lo) | ((unsigned)_mm256_movemask_ps(hi) << 8);
-}
-inline unsigned ge(vf a, vf b) { return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ)); }
-inline unsigned le(vf a, vf b) { return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_LE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LE_OQ)); }
-inline unsigned eq(vf a, vf b) { return bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ)); }
+inline unsigned ge(vf a, vf b) { return compare<_CMP_GE_OQ>(a, b); }
+inline unsigned le(vf a, vf b) { return compare<_CMP_LE_OQ>(a, b); }
+inline unsigned eq(vf a, vf b) { return compare<_CMP_EQ_OQ>(a, b); }
 inline vf from_int8(const int8_t* p) {
     const __m128i q = _mm_loadu_si128((const __m128i*)p);
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
