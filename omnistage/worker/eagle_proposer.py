@@ -311,12 +311,7 @@ class EagleProposer:
         and the packed index of each request's last row."""
         n = step.num_tokens
         positions = step.positions[:n]
-        pos_np = positions.cpu().numpy()
-        token_rows = np.repeat(step.rows, step.num_scheduled_tokens)
-        next_ids = torch.from_numpy(batch.token_ids_cpu[token_rows, pos_np + 1]).to(
-            self.device
-        )
-        embeds = self._embed_next(step, next_ids, model_state)
+        _, embeds = self._step_inputs(step, batch, model_state)
         md = build_attention_metadata(step, self.block_size)
         out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches)
         self.num_head_tokens += n
@@ -335,12 +330,7 @@ class EagleProposer:
         packed index of each run request's last row. A kept request catches up
         here and its window is freed."""
         n = step.num_tokens
-        step_pos = step.positions[:n].cpu().numpy()
-        token_rows = np.repeat(step.rows, step.num_scheduled_tokens)
-        step_next = torch.from_numpy(batch.token_ids_cpu[token_rows, step_pos + 1]).to(
-            self.device
-        )
-        step_embeds = self._embed_next(step, step_next, model_state)
+        step_pos, step_embeds = self._step_inputs(step, batch, model_state)
         qsl = step.query_start_loc
         kept = [self._kept.get(step.req_ids[i]) for i in run]
         counts = np.array([k.count if k else 0 for k in kept], dtype=np.int64)
@@ -396,6 +386,17 @@ class EagleProposer:
             if k is not None:
                 self.discard(step.req_ids[i])
         return out, hstep.query_start_loc[1:] - 1
+
+    def _step_inputs(
+        self, step: BatchStep, batch: InputBatch, model_state: Any | None
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """The step's positions and the head's input embeddings for them (each next token's)."""
+        pos = step.positions[: step.num_tokens].cpu().numpy()
+        token_rows = np.repeat(step.rows, step.num_scheduled_tokens)
+        next_ids = torch.from_numpy(batch.token_ids_cpu[token_rows, pos + 1]).to(
+            self.device
+        )
+        return pos, self._embed_next(step, next_ids, model_state)
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         greedy = getattr(self.target, "greedy_token_ids", None)
