@@ -15,8 +15,10 @@ both emit the same tokens, which is checked):
 3. the cost of a step that verifies ``k`` drafts relative to a one-token
    decode step, ``k = 1..8``, at batch 1 and 8 (drafts forced to a token
    the model will not emit, so every step emits one token): it sets what
-   speculation can win here, and fits the per-token cost ``c`` of
-   ``core/spec_policy.py``'s model ``step(T) = 1 + c * T``.
+   speculation can win here. Beside it, the same ratios from the curves the
+   speculating engine measured when it started, which its draft policy
+   prices drafts by (``worker/step_costs.py``; those leave the engine's own
+   per-step Python out, so they read a little higher).
 
 Each measurement is repeated ``--repeat`` times with the two sides
 interleaved (alternating which runs first), so a burst of load on a shared
@@ -239,16 +241,15 @@ def main() -> None:
             f"{'yes' if ratio >= target else 'NO':<3}{rate:>8}{mean_len:>9}{drafts / max(tokens, 1):>12.2f}  {same}"
         )
     print("accept = accepted / verified drafts; mean len = tokens emitted per verify run (1 + accepted / runs)")
-    print("\nverify cost: step time with k drafts / a one-token decode step (medians)")
-    print(f"{'batch':<7}" + "".join(f"{'k=' + str(k):>7}" for k in range(1, 9)) + f"{'fit c':>8}{'1-step ms':>11}")
+    print("\nverify cost: step time with k drafts / a one-token decode step (medians), and what the")
+    print("engine measured for the same steps when it started (worker/step_costs.py; its draft policy's prices)")
+    cost = on.scheduler.draft_policy.step_cost
+    print(f"{'batch':<7}{'':<9}" + "".join(f"{'k=' + str(k):>7}" for k in range(1, 9)) + f"{'1-step ms':>11}")
     for b, t in costs.items():
         rel = [t[k] / t[0] for k in range(1, 9)]
-        # step(T) = 1 + c*T with T = b*(1+k): rel(k) = (1 + c*b*(1+k)) / (1 + c*b), least squares on c.
-        fits = [(r - 1) / (b * k - (r - 1) * b) for k, r in zip(range(1, 9), rel) if b * k - (r - 1) * b > 0]
-        c = statistics.median(fits) if fits else float("nan")
-        print(f"{b:<7}" + "".join(f"{r:>7.2f}" for r in rel) + f"{c:>8.3f}{t[0] * 1000:>11.1f}")
-    print("(fit c: per-token cost in units of a step's fixed cost; the draft policy's token_cost)")
-
+        print(f"{b:<7}{'here':<9}" + "".join(f"{r:>7.2f}" for r in rel) + f"{t[0] * 1000:>11.1f}")
+        est = [cost(b * (1 + k)) / cost.decode(b) for k in range(1, 9)]
+        print(f"{'':<7}{'engine':<9}" + "".join(f"{r:>7.2f}" for r in est))
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,10 @@ expected. Modules never read ``os.environ`` themselves; they call these.
   prepacked copies; a model that would need more gets none.
 - ``OMNISTAGE_DENSE_DECODE_BYTES`` (``1 << 30``, 1 GiB): byte budget of the
   dense decode views over all layers; ``0`` turns them off.
+- ``OMNISTAGE_MEASURE_STEP_COST`` (on): ``0`` keeps the draft policy's built-in
+  step-cost curve instead of measuring this machine's when a speculating
+  engine starts (``worker/step_costs.py``): the same drafts on every machine
+  and run, for tests and for seeded sampling that must repeat across runs.
 - ``RAY_ADDRESS`` (unset): the Ray cluster that encoder workers
   (``num_encoder_workers``) run on; unset starts a local instance.
 
@@ -36,6 +40,7 @@ __all__ = [
     "CXX",
     "DENSE_DECODE_BYTES",
     "LEAN_FORWARD",
+    "MEASURE_STEP_COST",
     "NATIVE",
     "PREPACK",
     "PREPACK_MAX_BYTES",
@@ -46,6 +51,7 @@ __all__ = [
     "cxx",
     "dense_decode_bytes",
     "lean_forward_enabled",
+    "measure_step_cost_enabled",
     "native_enabled",
     "prepack_enabled",
     "prepack_max_bytes",
@@ -89,11 +95,15 @@ PREPACK_MAX_BYTES = EnvVar("OMNISTAGE_PREPACK_MAX_BYTES", str(2 << 30), "most by
 DENSE_DECODE_BYTES = EnvVar(
     "OMNISTAGE_DENSE_DECODE_BYTES", str(1 << 30), "byte budget of the dense decode views (0: off)"
 )
+MEASURE_STEP_COST = EnvVar(
+    "OMNISTAGE_MEASURE_STEP_COST", "1", "0 keeps the built-in step-cost curve of the draft policy"
+)
 
 RAY_ADDRESS = EnvVar("RAY_ADDRESS", "", "the Ray cluster to use (unset: start a local instance)")
 
 VARIABLES: tuple[EnvVar, ...] = (
-    CACHE_DIR, NATIVE, CXX, LEAN_FORWARD, PREPACK, PREPACK_MAX_BYTES, DENSE_DECODE_BYTES, RAY_ADDRESS,
+    CACHE_DIR, NATIVE, CXX, LEAN_FORWARD, PREPACK, PREPACK_MAX_BYTES, DENSE_DECODE_BYTES, MEASURE_STEP_COST,
+    RAY_ADDRESS,
 )  # fmt: skip
 
 
@@ -125,6 +135,10 @@ def prepack_max_bytes() -> int:
 
 def dense_decode_bytes() -> int:
     return DENSE_DECODE_BYTES.byte_count()
+
+
+def measure_step_cost_enabled() -> bool:
+    return MEASURE_STEP_COST.flag()
 
 
 def ray_address() -> str:

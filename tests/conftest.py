@@ -60,3 +60,9 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
+
+
+# Speculating engines in tests keep the draft policy's built-in step-cost curve, so
+# every run drafts the same way on any machine; tests/worker/test_step_costs.py
+# measures it, and turns this off where it does.
+os.environ.setdefault("OMNISTAGE_MEASURE_STEP_COST", "0")

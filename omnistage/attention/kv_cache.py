@@ -178,6 +178,14 @@ def invalidate_dense_view(cache: torch.Tensor) -> None:
         view.valid = False
 
 
+def release_dense_view(cache: torch.Tensor) -> None:
+    """Invalidate ``cache``'s dense view and free its buffers (the next decode batch builds its own)."""
+    invalidate_dense_view(cache)
+    view = getattr(cache, _ATTR, None)
+    if view is not None:
+        view.keys = view.values = None
+
+
 def dense_budget() -> int:
     return envs.dense_decode_bytes()
 

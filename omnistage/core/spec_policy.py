@@ -4,7 +4,7 @@ A verified draft costs one more token in the step's forward whether it is
 accepted or not, so drafting pays only while the tokens the drafts are
 expected to add outweigh what they add to the step's time.
 
-Model (plain arithmetic, deterministic, no timing inside the engine):
+Model (plain arithmetic, deterministic given the cost curve):
 
 - Acceptance: draft ``j`` of a run is kept with probability ``a`` given
   that drafts ``1..j-1`` were (a geometric run), so it is worth ``a**j``
@@ -12,15 +12,17 @@ Model (plain arithmetic, deterministic, no timing inside the engine):
   kept drafts and of rejections (a run whose drafts were all kept shows no
   rejection: it was cut by ``k``, not by the model).
 - Cost: ``StepCost``, the time of a step over ``T`` tokens relative to a
-  one-token decode step, piecewise linear through measured points
-  (``benchmarks/bench_spec.py`` prints them; the default is the embedded
-  model's on CPU, where a step of 3+ tokens costs about three decode steps
-  and a batch of 8 pays little more for its drafts than batch 1 does).
+  one-token decode step, piecewise linear through measured points, with
+  its own curve for plain decode steps. A speculating engine measures
+  both on its machine when it starts (``worker/step_costs.py``; the
+  scheduler itself never times anything); the built-in default is the
+  embedded model's on an AVX-512 CPU, where a step of 3+ tokens costs
+  about three decode steps.
 - Each step the ``B`` decoding requests' draft values ``a_i**j`` are
   sorted, and the step drafts the ``m`` best of them for the ``m`` that
   maximizes expected tokens per unit time ``(B + sum of the m values) /
-  cost(B + m)``; no drafts unless that beats plain decoding by
-  ``min_gain``. So a low-acceptance request stops drafting, a copying one
+  cost(B + m)``; no drafts unless that beats plain decoding,
+  ``B / cost.decode(B)``, by ``min_gain``. So a low-acceptance request stops drafting, a copying one
   drafts up to ``k``, and at a larger batch drafts must be better to pay.
 
 Acceptance is measured in the shadow (``shadow`` / ``observe_tokens``):
@@ -97,14 +99,18 @@ class DraftState:
 
 class StepCost:
     """Relative time of a step over ``T`` tokens: piecewise linear through ``points``
-    (``(T, cost)`` pairs, increasing ``T``), extended linearly past the last one."""
+    (``(T, cost)`` pairs, increasing ``T``), extended linearly past the last one.
 
-    def __init__(self, points: Sequence[tuple[int, float]]) -> None:
-        if len(points) < 2 or any(b[0] <= a[0] for a, b in pairwise(points)):
-            raise ValueError(
-                f"StepCost: expected two or more (tokens, cost) points with increasing tokens, got {points}"
-            )
-        self.points = tuple((int(t), float(c)) for t, c in points)
+    ``decode_points``, where given, price the steps that verify nothing (``T``
+    one-token rows) on their own curve: such a step continues the decode fast
+    path that a verify step leaves, so at the same ``T`` it can cost less.
+    Without them both kinds of step share ``points``."""
+
+    def __init__(
+        self, points: Sequence[tuple[int, float]], decode_points: Sequence[tuple[int, float]] | None = None
+    ) -> None:
+        self.points = _curve(points)
+        self.decode_points = _curve(decode_points) if decode_points is not None else self.points
 
     @classmethod
     def linear(cls, token_cost: float) -> StepCost:
@@ -112,11 +118,25 @@ class StepCost:
         return cls(((1, 1.0), (2, (1 + 2 * token_cost) / (1 + token_cost))))
 
     def __call__(self, num_tokens: int) -> float:
-        pts = self.points
-        for (t0, c0), (t1, c1) in pairwise(pts):
-            if num_tokens <= t1 or (t1, c1) == pts[-1]:
-                return c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0)
-        raise AssertionError("unreachable")
+        """A step of ``num_tokens`` tokens, some of them drafts."""
+        return _interpolate(self.points, num_tokens)
+
+    def decode(self, num_rows: int) -> float:
+        """A step of ``num_rows`` one-token decode rows."""
+        return _interpolate(self.decode_points, num_rows)
+
+
+def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    if len(points) < 2 or any(b[0] <= a[0] for a, b in pairwise(points)):
+        raise ValueError(f"StepCost: expected two or more (tokens, cost) points with increasing tokens, got {points}")
+    return tuple((int(t), float(c)) for t, c in points)
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], num_tokens: int) -> float:
+    for (t0, c0), (t1, c1) in pairwise(points):
+        if num_tokens <= t1 or (t1, c1) == points[-1]:
+            return c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0)
+    raise AssertionError("unreachable")
 
 
 class DraftPolicy:
@@ -143,7 +163,7 @@ class DraftPolicy:
             key=lambda v: -v[0],
         )  # fmt: skip
         cost = self.step_cost
-        best_m, best_rate = 0, num / cost(num) * self.min_gain
+        best_m, best_rate = 0, num / cost.decode(num) * self.min_gain
         tokens = float(num)
         for m, (value, _) in enumerate(values, 1):
             tokens += value

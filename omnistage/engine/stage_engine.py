@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from omnistage import envs
 from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.core.config import SchedulerConfig
 from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
@@ -36,6 +37,7 @@ from omnistage.sampling_params import SamplingParams
 from omnistage.worker.host_memory import keep_freed_host_memory
 from omnistage.worker.model_runner import ModelRunner
 from omnistage.worker.chunked_runner import ChunkedRunner
+from omnistage.worker.step_costs import measure_step_costs
 
 if TYPE_CHECKING:
     from omnistage.worker.mm.remote_encoder import RemoteEncoderPool
@@ -189,6 +191,8 @@ class StageEngine:
             and (prefix_caching or bool(tensor_cache_policy_of(getattr(loaded_model, "mm_adapter", None) or loaded_model.model).deferred_keys)),
             drafter=drafter,
         )
+        if self.scheduler.draft_policy is not None and envs.measure_step_cost_enabled():
+            self._measure_step_cost(speculative_config.num_speculative_tokens)
         if args.num_encoder_workers:
             if mm_processor is None:
                 if spec.input_processor is None:  # later pipeline stages take hand-off records, never media
@@ -198,6 +202,20 @@ class StageEngine:
 
                 self.remote_encoder = RemoteEncoderPool.for_model(loaded_model, mm_processor, args)
                 self.runner.remote_encoder = self.remote_encoder
+
+    def _measure_step_cost(self, max_drafts: int) -> None:
+        """Price drafts for the draft policy on this machine (``worker/step_costs.py``), before any request."""
+        start = time.perf_counter()
+        cost = measure_step_costs(self.runner, max_drafts)
+        if cost is None:
+            logger.info("speculative decoding: too few KV blocks or tokens to measure step costs; built-in curve kept")
+            return
+        self.scheduler.draft_policy.step_cost = cost
+        logger.info(
+            "speculative decoding: step costs measured in %.2f s (tokens, cost vs a 1-row decode step): "
+            "verify %s, decode %s", time.perf_counter() - start,
+            [(t, round(c, 2)) for t, c in cost.points], [(t, round(c, 2)) for t, c in cost.decode_points],
+        )  # fmt: skip
 
     @staticmethod
     def _speculative_config(

@@ -242,3 +242,17 @@ def test_abort_mid_item_holds_nothing(targets):
     while engine.has_unfinished_requests():
         engine.step()
     _drain_and_check_clean(engine)
+
+
+@pytest.mark.parametrize("kind", ["vl", "omni"])
+def test_step_costs_measured_on_a_multimodal_target(kind, targets, monkeypatch):
+    """The start-up timing runs an M-RoPE target's forward too (``worker/step_costs.py``),
+    and what it leaves in the KV cache never reaches a request."""
+    monkeypatch.setenv("OMNISTAGE_MEASURE_STEP_COST", "1")
+    t = targets[kind]
+    engine = make_engine(t.loaded, speculative_config=t.eagle(), block_size=4)
+    cost = engine.scheduler.draft_policy.step_cost
+    assert cost.decode_points is not cost.points and cost.points[0] == (1, 1.0)
+    off = run_all(make_engine(t.loaded, block_size=4), t.prompts(), GREEDY, prefix="off")
+    assert _tokens(run_all(engine, t.prompts(), GREEDY)) == _tokens(off)
+    _drain_and_check_clean(engine)
