@@ -384,6 +384,27 @@ def _continues_view(view: DenseDecodeView, md: AttentionMetadata) -> bool:
     )  # fmt: skip
 
 
+def continuing_decode_views(kv_caches: Sequence[torch.Tensor], md: AttentionMetadata) -> list[DenseDecodeView] | None:
+    """For a plain decode step that every layer can run on the native kernels in one call
+    (``kernels/decode_layers.py``): each layer's dense view, when all of them continue the
+    previous step's with one capacity; else ``None``, and the step runs layer by layer. The
+    caller writes and reads the views as :func:`paged_attention` would, then calls
+    :func:`continued_decode_views`."""
+    if md.kind != DECODE or md.step_key is None or md.write_token_index is not None or native_kernels() is None:
+        return None
+    views = [dense_view(cache) for cache in kv_caches]
+    capacity = views[0].keys.shape[2] if views[0].keys is not None else -1
+    if all(_continues_view(view, md) and view.keys.shape[2] == capacity for view in views):
+        return views
+    return None
+
+
+def continued_decode_views(views: Sequence[DenseDecodeView], md: AttentionMetadata) -> None:
+    """The views now hold this step's keys/values (what :func:`_decode_context` records)."""
+    for view in views:
+        view.key = md.step_key
+
+
 def _store_continuing_decode(
     cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata
 ) -> bool:

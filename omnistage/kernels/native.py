@@ -55,6 +55,8 @@ _SIGNATURES = {
     "rope": (None, [_P, _L, _L, _L, _L, _P, _P, _P, _I]),
     # gu, M, I, out, threads
     "silu_mul": (None, [_P, _L, _L, _P, _I]),
+    # layers, L, h, R, hidden, H, Hkv, D, cos, sin, slots, cache_hs, dense_idx, capacity, seq_lens, threads
+    "decode_layers": (None, [_P, _L, _P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _I]),
     # k, k_hs, k_ts, v, v_hs, v_ts, H, T, D, dst_k, dst_v, dst_hs, idx, dense_k, dense_v, dense_hs, dense_idx
     "kv_store": (None, [_P, _L, _L, _P, _L, _L, _L, _L, _L, _P, _P, _L, _P, _P, _P, _L, _P]),
 }

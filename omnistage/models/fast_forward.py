@@ -26,7 +26,11 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
   is then released (see *Weight ownership* below); a tied embedding is
   looked up from the same int8 rows. RMSNorm, RoPE and SiLU-times-up
   are one native call each instead of two to six torch ops, and decode
-  attention one pass per KV head and sequence;
+  attention one pass per KV head and sequence. A plain decode step that
+  continues every layer's dense KV view runs all layers in one native call
+  (:mod:`omnistage.kernels.decode_layers`: the same kernels in the same
+  order, bit for bit, without the Python between them, which was about a
+  quarter of a batch-1 step);
 - bf16 on CPU: weights keep their layout and every matmul, from one row
   up, uses a oneDNN-prepacked copy, which runs on the AMX / AVX512-BF16
   units (1.3-2x over ``F.linear`` on SmolLM2's shapes at 1 and 32 rows);
@@ -66,10 +70,16 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from omnistage import envs
+from omnistage.kernels.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from omnistage.kernels.decode_ops import native_rms_norm, native_rope, native_silu_mul
 from omnistage.kernels.group_int8 import GroupInt8Weight, encode_group_int8, group_int8_matmul, group_int8_rows
 from omnistage.kernels.native import native_kernels
-from omnistage.attention.paged_attention import AttentionMetadata, paged_attention
+from omnistage.attention.paged_attention import (
+    AttentionMetadata,
+    continued_decode_views,
+    continuing_decode_views,
+    paged_attention,
+)
 
 __all__ = ["LEAN_MODEL_CLASSES", "LeanDecoder", "PackedLinear", "lean_decoder_or_none"]
 
@@ -344,6 +354,25 @@ class LeanDecoder:
                 )
             )
         self.intermediate = int(self.layers[0].gate_up.out_features // 2)
+        self.native_layers = self._native_layers()
+
+    def _native_layers(self) -> NativeDecodeLayers | None:
+        """Every layer in one native call for plain decode steps, where each is made of what
+        that call runs: group-int8 linears, no q/k norm, a head size the kernels take."""
+        if not self.native_ops or self.head_dim not in (32, 64, 128):
+            return None
+        weights = []
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if layer.qk_norm is not None or any(lin.int8 is None for lin in linears):
+                return None
+            weights.append(
+                DecodeLayerWeights(
+                    layer.in_norm.contiguous(), layer.in_eps, layer.post_norm.contiguous(), layer.post_eps,
+                    layer.scaling, *((lin.int8, lin.bias) for lin in linears),
+                )
+            )  # fmt: skip
+        return NativeDecodeLayers(weights, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def _own_int8(self, linears: Sequence[torch.nn.Linear]) -> PackedLinear | None:
         """The fused linear over ``linears`` in its exact group-int8 form, taking their
@@ -427,6 +456,15 @@ class LeanDecoder:
         half = d // 2
         inter = self.intermediate
         cos, sin = self.rope_tables(h, positions)
+        views = continuing_decode_views(kv_caches, md) if self.native_layers is not None else None
+        if views is not None and kv_caches[0].dtype == torch.float32:
+            # A plain decode step: all layers in one native call, the same kernels in the same order.
+            h = h.clone() if inputs_embeds is not None else h.contiguous()  # updated in place
+            index = md.dense_index(views[0].keys.shape[2])
+            dense = [(view.keys, view.values) for view in views]
+            self.native_layers.run(h, cos, sin, kv_caches, dense, md.write_slots, index, md.seq_lens)
+            continued_decode_views(views, md)
+            return native_rms_norm(h, self.final_norm, self.final_eps)
         native = self.native_ops
         norm = native_rms_norm if native else _rms_norm
         native_rope_ok = native and d % 32 == 0

@@ -78,8 +78,11 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> PretrainedConfig:
-    """A small config of the real architecture: hidden 64, 4 heads, 2 KV heads (GQA)."""
+def tiny_config(
+    arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, head_dim: int | None = None
+) -> PretrainedConfig:
+    """A small config of the real architecture: hidden 64, 4 heads, 2 KV heads (GQA); ``head_dim``
+    overrides the architecture's head size (16 for Llama and Qwen2, 32 for Qwen3)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -93,6 +96,8 @@ def tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
         pad_token_id=pad_id,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     if arch == "llama":
         return LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, **common)
     if arch == "qwen2":
@@ -100,7 +105,7 @@ def tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
         return Qwen2Config(num_hidden_layers=3, tie_word_embeddings=True, **common)
     if arch == "qwen3":
         # head_dim 32 != hidden/heads: catches code that assumes hidden_size // num_heads.
-        return Qwen3Config(num_hidden_layers=4, head_dim=32, tie_word_embeddings=False, **common)
+        return Qwen3Config(num_hidden_layers=4, **{"head_dim": 32, **common}, tie_word_embeddings=False)
     raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {TINY_ARCHS}")
 
 
@@ -138,14 +143,17 @@ def _gguf_round_trip(model: torch.nn.Module) -> None:
             weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind).reshape(weight.shape)))
 
 
-def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, gguf_weights: bool = False) -> Path:
+def write_tiny_checkpoint(
+    arch: str, path: str | Path, seed: int = 0, gguf_weights: bool = False, head_dim: int | None = None
+) -> Path:
     """Write a tiny ``arch`` checkpoint folder at ``path`` and return it.
 
     ``arch`` is one of ``"llama"``, ``"qwen2"``, ``"qwen3"``. The same
     ``(arch, seed, gguf_weights)`` always gives the same weights and
     tokenizer. ``gguf_weights`` rounds the weight matrices through GGUF
     quantization (see :func:`_gguf_round_trip`), as a model converted from a
-    ``Q4_1`` GGUF file would have them.
+    ``Q4_1`` GGUF file would have them. ``head_dim`` (e.g. 32, a size the
+    native attention kernels take) overrides the architecture's head size.
     """
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {TINY_ARCHS}")
@@ -154,7 +162,7 @@ def write_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, gguf_weigh
     tokenizer = build_tiny_tokenizer()
     bos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = tiny_config(arch, len(tokenizer), bos_id, eos_id, tokenizer.pad_token_id)
+    config = tiny_config(arch, len(tokenizer), bos_id, eos_id, tokenizer.pad_token_id, head_dim)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     if gguf_weights:

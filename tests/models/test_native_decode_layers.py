@@ -1,0 +1,69 @@
+"""A plain decode step through every layer in one native call (``kernels/decode_layers.py``)
+gives bit for bit the hidden states of the layer-by-layer native sequence it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.stage_engine import LLMEngine
+from omnistage.kernels.native import native_kernels
+from omnistage.models.fast_forward import LeanDecoder
+from omnistage.models.loader import load_model
+from omnistage.sampling_params import SamplingParams
+from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels need x86-64 AVX2 and g++")
+
+PROMPTS = ["hello world!", "the quick brown fox jumps over the lazy dog.", "one two three four five six"]
+
+
+def _decode_outputs(loaded, monkeypatch, batch: int) -> tuple[list[torch.Tensor], list[list[int]], list[torch.Tensor]]:
+    """The lean decoder's output at every step, the generated tokens and the KV caches after."""
+    seen: list[torch.Tensor] = []
+    forward = LeanDecoder.forward
+
+    def recording(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        seen.append(out.clone())
+        return out
+
+    monkeypatch.setattr(LeanDecoder, "forward", recording)
+    engine = LLMEngine(EngineArgs(model=loaded.model_path, block_size=4), loaded_model=loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate((PROMPTS * 3)[:batch]):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    monkeypatch.setattr(LeanDecoder, "forward", forward)
+    return seen, [done[str(i)] for i in range(batch)], engine.runner.kv_caches
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_call_equals_the_layer_by_layer_sequence(arch, batch, tmp_path, monkeypatch):
+    loaded = load_model(str(write_tiny_checkpoint(arch, tmp_path, gguf_weights=True, head_dim=32)))
+    lean = loaded.model.lean
+    native = lean.native_layers
+    assert native is not None
+    calls = []
+    run = native.run
+    monkeypatch.setattr(native, "run", lambda *a: calls.append(1) or run(*a))
+    fused, fused_tokens, fused_kv = _decode_outputs(loaded, monkeypatch, batch)
+    assert len(calls) >= 8  # the decode steps after the dense views are built
+    lean.native_layers = None
+    plain, plain_tokens, plain_kv = _decode_outputs(loaded, monkeypatch, batch)
+    assert fused_tokens == plain_tokens
+    assert len(fused) == len(plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    # The paged cache too (a later step that leaves the dense view, or a prefix hit, reads it).
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv))
+
+
+def test_not_built_where_a_layer_has_what_the_call_does_not_run(tmp_path):
+    qwen3 = load_model(str(write_tiny_checkpoint("qwen3", tmp_path / "q3", gguf_weights=True)))
+    assert qwen3.model.lean.native_layers is None  # per-head q/k norms
+    plain = load_model(str(write_tiny_checkpoint("llama", tmp_path / "fp32", head_dim=32)))
+    assert plain.model.lean.native_layers is None  # fp32 weights without a group-int8 form
