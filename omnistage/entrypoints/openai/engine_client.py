@@ -233,7 +233,7 @@ class EngineClient:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, (_Add, _Call)):
+            if isinstance(cmd, (_Add, _Call)) and cmd.done.set_running_or_notify_cancel():
                 cmd.done.set_exception(err)
 
     def _loop(self, streams: dict[str, RequestStream]) -> None:
@@ -293,6 +293,11 @@ class EngineClient:
 
     def _handle(self, cmd: Any, streams: dict[str, RequestStream]) -> None:
         engine = self.engine
+        # A caller that stopped waiting (a timeout, a client gone) cancelled its command's future:
+        # the command is dropped, and the engine never tries to settle a cancelled future. Marking
+        # the others running means a late cancel can no longer change them.
+        if isinstance(cmd, (_Add, _Call)) and not cmd.done.set_running_or_notify_cancel():
+            return
         if isinstance(cmd, _Add):
             try:
                 engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **cmd.options)

@@ -221,3 +221,36 @@ def test_startup_failure_raises_in_start() -> None:
     client = EngineClient(broken)
     with pytest.raises(FileNotFoundError, match="/nope"):
         client.start()
+
+
+def test_a_caller_that_stops_waiting_hurts_nothing() -> None:
+    """A stats call that times out while the engine is busy, and an add whose caller went
+    away while it was queued, are dropped; the engine keeps serving what is in flight
+    (before, settling their cancelled futures killed the engine loop)."""
+    engine = FakeEngine()
+    client = EngineClient(lambda: engine)
+    client.start()
+    gate = threading.Event()
+    try:
+
+        async def main():
+            stream = await client.add_request("kept", "p", 5)
+            busy = asyncio.ensure_future(client.call(lambda e: gate.wait(5)))  # holds the engine thread
+            await asyncio.sleep(0.05)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.get_stats(), 0.05)
+            gone = asyncio.ensure_future(client.add_request("gone", "p", 5))
+            await asyncio.sleep(0.05)
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            gate.set()
+            await busy
+            return [o async for o in stream][-1]
+
+        assert _run(main()).finished
+        assert client.is_healthy and client.dead_reason is None
+        assert client.call_sync(lambda e: sorted(e.reqs)) == []  # "gone" never ran
+        assert "gone" not in engine.max_tokens
+    finally:
+        client.shutdown()
