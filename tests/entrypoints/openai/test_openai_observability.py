@@ -171,7 +171,7 @@ def test_periodic_stats_line(tiny_checkpoints, caplog) -> None:
         thread, _ = start_server(tiny_checkpoints["llama"], TINY_MODEL_NAME, stats_log_interval_s=interval)
         try:
             time.sleep(3 * interval)
-            assert not _stats_records(caplog), "an idle server logged stats"
+            assert not _stats_records(caplog, thread), "an idle server logged stats"
             prompt_tokens = generated = 0
             with httpx.Client(base_url=thread.base_url, timeout=60) as http:
                 for n in (20, 3):  # prompt + max_tokens within the 256-token context
@@ -181,14 +181,14 @@ def test_periodic_stats_line(tiny_checkpoints, caplog) -> None:
                     generated += usage["completion_tokens"]
             # Wait for the line that covers the last step (a busy machine may delay it).
             deadline = time.monotonic() + 10
-            while sum(r.engine_stats.generation_tokens for r in _stats_records(caplog)) < generated:
+            while sum(r.engine_stats.generation_tokens for r in _stats_records(caplog, thread)) < generated:
                 assert time.monotonic() < deadline, "no stats line covered the requests' tokens"
                 time.sleep(0.05)
             time.sleep(2 * interval)
-            records = _stats_records(caplog)
+            records = _stats_records(caplog, thread)
             settled = len(records)
             time.sleep(3 * interval)
-            assert len(_stats_records(caplog)) == settled, "an idle server kept logging"
+            assert len(_stats_records(caplog, thread)) == settled, "an idle server kept logging"
         finally:
             thread.stop()
     windows = [r.engine_stats for r in records]
@@ -201,8 +201,14 @@ def test_periodic_stats_line(tiny_checkpoints, caplog) -> None:
     assert "generation" in line and "tokens/s" in line
 
 
-def _stats_records(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "omnistage.entrypoints.openai.stats_log" and r.levelno == logging.INFO]
+def _stats_records(caplog, thread) -> list[logging.LogRecord]:
+    """This server's stats lines: its stats task runs on its uvicorn thread (another test's server
+    still alive in this process logs under the same logger)."""
+    return [
+        r for r in caplog.records
+        if r.name == "omnistage.entrypoints.openai.stats_log" and r.levelno == logging.INFO
+        and r.thread == thread.thread.ident
+    ]  # fmt: skip
 
 
 def test_stats_interval_flag() -> None:
