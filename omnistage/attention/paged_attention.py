@@ -384,13 +384,19 @@ def _continues_view(view: DenseDecodeView, md: AttentionMetadata) -> bool:
     )  # fmt: skip
 
 
+def _stores_natively(md: AttentionMetadata) -> bool:
+    """Whether this decode step's keys/values can go to the paged cache and a dense view in one
+    native store: every token is written (no skipped slots) and the kernels are built."""
+    return md.step_key is not None and md.write_token_index is None and native_kernels() is not None
+
+
 def continuing_decode_views(kv_caches: Sequence[torch.Tensor], md: AttentionMetadata) -> list[DenseDecodeView] | None:
     """For a plain decode step that every layer can run on the native kernels in one call
     (``kernels/decode_layers.py``): each layer's dense view, when all of them continue the
     previous step's with one capacity; else ``None``, and the step runs layer by layer. The
     caller writes and reads the views as :func:`paged_attention` would, then calls
     :func:`continued_decode_views`."""
-    if md.kind != DECODE or md.step_key is None or md.write_token_index is not None or native_kernels() is None:
+    if md.kind != DECODE or not _stores_natively(md):
         return None
     views = [dense_view(cache) for cache in kv_caches]
     capacity = views[0].keys.shape[2] if views[0].keys is not None else -1
@@ -410,7 +416,7 @@ def _store_continuing_decode(
 ) -> bool:
     """For a decode step that continues the layer's dense view: this step's keys/values into the
     paged cache and the view in one native call. ``False`` (nothing written) otherwise."""
-    if md.step_key is None or md.write_token_index is not None or native_kernels() is None:
+    if not _stores_natively(md):
         return False
     view = dense_view(cache)
     if not _continues_view(view, md):

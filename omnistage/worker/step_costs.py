@@ -10,9 +10,10 @@ measures it once, when it starts (:func:`measure_step_costs`):
   synthetic requests, ``B`` rows of ``q`` tokens each: plain decode steps
   (``q = 1``, continuing the dense decode view, as a running batch does) at
   ``B = 1, 2, 3, 8`` and verify steps (``q = 1 + drafts``) at ``B = 1`` and
-  ``B = 8``, up to ``1 + k`` tokens per row (``DECODE_SHAPES``, ``VERIFY_SHAPES``). The scheduler's own Python is
-  left out: it costs a verify step a little more than a decode step, so the
-  measured price of a draft is, if anything, low by that much.
+  ``B = 8``, up to ``1 + k`` tokens per row (``DECODE_SHAPES``,
+  ``VERIFY_SHAPES``). The scheduler's own Python is left out: it costs a
+  verify step a little more than a decode step, so the measured price of a
+  draft is, if anything, low by that much.
 - **Where**: in KV blocks ``0..n`` of the engine's cache, which hold nothing
   while the engine starts (every block is free); the dense decode views are
   released afterwards, so no step that follows can read what these wrote.
@@ -49,10 +50,6 @@ __all__ = ["measure_step_costs"]
 DECODE_SHAPES = ((1, 1), (2, 1), (3, 1), (8, 1))
 VERIFY_SHAPES = ((1, 2), (1, 3), (1, 4), (1, 6), (1, 9), (8, 2), (8, 3), (8, 5))
 CONTEXT = 48  # tokens each synthetic request holds before its first step
-
-Points = tuple[tuple[int, float], ...]
-
-
 # Untimed decode steps before a timed one: the second builds the batch's dense view, the third reads it.
 LEAD_IN = 2
 
@@ -83,19 +80,12 @@ def measure_step_costs(runner, max_drafts: int, rounds: int = 2) -> StepCost | N
         for cache in runner.kv_caches:
             release_dense_view(cache)
     unit = best[1, 1]
-    decode = _increasing((b, t / unit) for (b, q), t in best.items() if q == 1)
-    verify_points = _increasing([(1, 1.0), *((b * q, t / unit) for (b, q), t in best.items() if q > 1)])
+    # Each shape has its own token count (b * q), so the points only need sorting.
+    decode = sorted((b, t / unit) for (b, q), t in best.items() if q == 1)
+    verify_points = sorted([(1, 1.0), *((b * q, t / unit) for (b, q), t in best.items() if q > 1)])
     if len(decode) < 2 or len(verify_points) < 2:
         return None
     return StepCost(verify_points, decode)
-
-
-def _increasing(points) -> Points:
-    """One point per token count (the first measured), in increasing order."""
-    out: dict[int, float] = {}
-    for t, c in points:
-        out.setdefault(int(t), float(c))
-    return tuple(sorted(out.items()))
 
 
 class _StepRunner:

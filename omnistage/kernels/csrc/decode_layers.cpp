@@ -8,7 +8,6 @@
 // decode view comes here (its keys/values go to the paged cache and the view, attention reads
 // the view); any other step keeps the Python sequence.
 #include <stdint.h>
-#include <string.h>
 
 #include <vector>
 
