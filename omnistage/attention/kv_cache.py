@@ -15,9 +15,9 @@ to be much slower on CPU than the extra index arithmetic this layout avoids.
 A read is one ``index_select`` of whole ``block_size * head_dim`` rows of
 the ``[num_kv_heads * num_blocks, ...]`` view, with row ids made once per step.
 
-Decode steps that continue the previous step's batch skip that read: each
-layer keeps a :class:`DenseDecodeView`, the batch's keys/values laid out
-contiguously, and only appends the new token to it.
+Decode and verify steps that continue the previous step's batch skip that
+read: each layer keeps a :class:`DenseDecodeView`, the batch's keys/values
+laid out contiguously, and only appends the new tokens to it.
 """
 
 from __future__ import annotations
@@ -135,15 +135,16 @@ DENSE_DECODE_MARGIN = 64
 class DenseDecodeView:
     """One layer's keys/values of a running decode batch, kept contiguous across steps.
 
-    A decode step whose requests are exactly those of this layer's previous
-    step, in the same rows, each one token further (``step_key`` of that step
-    equal to this step's ``prev_step_key``), reads its context from here and
-    only appends its new token; any other step invalidates the view. That
-    saves the whole-context gather per layer and step, the largest part of
-    batched decode attention.
+    A step of a few tokens per request (decode, speculative verify) whose
+    requests are exactly those of this layer's previous step, in the same
+    rows, each one further along (``StepRows.follows``: a verify step's
+    rejected drafts may roll a row back within what the previous step
+    wrote), reads its context from here and only appends its new tokens;
+    any other step invalidates the view. That saves the whole-context gather
+    per layer and step, the largest part of batched decode attention.
     """
 
-    key: tuple | None = None  # step_key of the last step this layer ran
+    key: object | None = None  # StepRows of the last step this layer ran
     keys: torch.Tensor | None = None  # [Hkv, R, capacity, D]
     values: torch.Tensor | None = None
     valid: bool = False  # keys/values hold the context of ``key``'s step

@@ -58,8 +58,28 @@ PREFILL_SINGLE = "prefill_single"  # one sequence, nothing cached yet: causal SD
 PREFILL = "prefill"  # several sequences, nothing cached yet: this step's k/v, padded
 MIXED = "mixed"  # anything else: padded queries over each sequence's cached blocks
 # Up to this many queries per sequence (decode, speculative verify steps) attention runs as
-# two matmuls and a softmax in fp32 rather than the flash kernel (see _attend_cache).
+# two matmuls and a softmax in fp32 rather than the flash kernel (see _attend_cache), and the
+# step may continue the previous step's dense decode views.
 SMALL_QUERY_LEN = 16
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Which request each row of a step holds and how far it gets: what a dense decode view
+    records of the last step that ran on it, to tell whether the next step continues it."""
+
+    req_ids: tuple[str, ...]
+    computed: tuple[int, ...]  # context per row before the step
+    seq_lens: tuple[int, ...]  # and after it
+
+    def follows(self, prev: StepRows | None) -> bool:
+        """Whether this step continues ``prev``: the same requests in the same rows, each one
+        starting past where it started in ``prev`` and no later than where ``prev`` left it.
+        Starting earlier than that is a verify step's rejected drafts rolled back: their
+        columns are rewritten before any token reads them."""
+        if prev is None or prev.req_ids != self.req_ids:
+            return False
+        return all(p0 < c <= p1 for p0, c, p1 in zip(prev.computed, self.computed, prev.seq_lens))
 
 
 @dataclass
@@ -91,10 +111,13 @@ class AttentionMetadata:
     output_index: torch.Tensor | None = None  # [T] padded row of each packed token
     attn_mask: torch.Tensor | None = None  # [R, 1, Lq, Lk] bool
     kv_len: int = 0  # keys read per sequence from the cache (decode, mixed)
-    # Decode steps only: (request ids, context lengths) after this step and before it,
-    # to recognise a plain continuation of the previous step (see kv_cache.DenseDecodeView).
-    step_key: tuple | None = None
-    prev_step_key: tuple | None = None
+    # Steps of at most SMALL_QUERY_LEN tokens per sequence, every token stored (decode, verify):
+    # the rows, to recognise a continuation of the previous step (see kv_cache.DenseDecodeView),
+    # and per token the row it belongs to (None: token r is row r, a decode step) and how many
+    # keys it reads (its position + 1), for attention without a mask.
+    rows: StepRows | None = None
+    token_rows: torch.Tensor | None = None  # [T] int64
+    token_kv_lens: torch.Tensor | None = None  # [T] int64
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _dense_index: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _flat_ids: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -115,11 +138,13 @@ class AttentionMetadata:
         return ids
 
     def dense_index(self, capacity: int) -> torch.Tensor:
-        """Column of each sequence's new token in a ``[Hkv, R * capacity, D]`` dense view."""
+        """Column of each new token in a ``[Hkv, R * capacity, D]`` dense view (``rows`` steps)."""
         index = self._dense_index.get(capacity)
         if index is None:
-            rows = torch.arange(self.num_reqs, device=self.seq_lens.device) * capacity
-            index = self._dense_index[capacity] = rows + self.seq_lens - 1
+            rows = self.token_rows
+            if rows is None:
+                rows = torch.arange(self.num_reqs, device=self.seq_lens.device)
+            index = self._dense_index[capacity] = rows * capacity + self.token_kv_lens - 1
         return index
 
     def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -251,10 +276,14 @@ def build_attention_metadata(step: StepLayout, block_size: int) -> AttentionMeta
         ids = ids * dev(used)  # stale entries past a row's blocks -> block 0, masked out below
     md.gather_block_ids = ids.reshape(-1)
     kv_len = blocks_per_seq * block_size
-    if kind == DECODE and write_index is None:
-        req_ids = tuple(step.req_ids)
-        md.step_key = (req_ids, tuple(seq_lens.tolist()))
-        md.prev_step_key = (req_ids, tuple((seq_lens - 1).tolist()))
+    if max_q <= SMALL_QUERY_LEN and write_index is None:
+        md.rows = StepRows(tuple(step.req_ids), tuple(computed.tolist()), tuple(seq_lens.tolist()))
+        if kind == DECODE:
+            md.token_kv_lens = md.seq_lens
+        else:
+            starts = np.repeat(qsl[:-1], n)
+            md.token_rows = dev(np.repeat(np.arange(r), n))
+            md.token_kv_lens = dev(np.repeat(computed, n) + np.arange(t) - starts + 1)
     if r == 1:
         md.single_kv_len = kv_len = int(seq_lens[0])
         if kind == DECODE:
@@ -345,10 +374,10 @@ def paged_attention(
     (:mod:`omnistage.models.fast_forward`).
     """
     kind = md.kind
-    appended = kind == DECODE and _store_continuing_decode(cache, key, value, md)
+    appended = _store_continuing(cache, key, value, md)
     if not appended:
         write_kv(cache, key, value, md.write_slots, md.write_token_index)
-    if kind != DECODE:
+    if md.rows is None:
         invalidate_dense_view(cache)
     if kind == DECODE or kind == MIXED:
         return _attend_cache(query, cache, md, scaling, key, value, appended)
@@ -377,26 +406,26 @@ def _pad(x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
 
 
 def _continues_view(view: DenseDecodeView, md: AttentionMetadata) -> bool:
-    """Whether this decode step can read its context from ``view`` (the previous step's)."""
+    """Whether this step can read its context from ``view`` (the previous step's)."""
     return (
-        view.valid and view.key == md.prev_step_key and view.keys.shape[1] == md.num_reqs
+        view.valid and md.rows is not None and md.rows.follows(view.key) and view.keys.shape[1] == md.num_reqs
         and view.keys.shape[2] >= md.kv_len
     )  # fmt: skip
 
 
 def _stores_natively(md: AttentionMetadata) -> bool:
-    """Whether this decode step's keys/values can go to the paged cache and a dense view in one
-    native store: every token is written (no skipped slots) and the kernels are built."""
-    return md.step_key is not None and md.write_token_index is None and native_kernels() is not None
+    """Whether this step's keys/values can go to the paged cache and a dense view in one native
+    store: a step of few tokens per row, every token written, and the kernels built."""
+    return md.rows is not None and native_kernels() is not None
 
 
 def continuing_decode_views(kv_caches: Sequence[torch.Tensor], md: AttentionMetadata) -> list[DenseDecodeView] | None:
-    """For a plain decode step that every layer can run on the native kernels in one call
+    """For a decode or verify step that every layer can run on the native kernels in one call
     (``kernels/decode_layers.py``): each layer's dense view, when all of them continue the
     previous step's with one capacity; else ``None``, and the step runs layer by layer. The
     caller writes and reads the views as :func:`paged_attention` would, then calls
     :func:`continued_decode_views`."""
-    if md.kind != DECODE or not _stores_natively(md):
+    if not _stores_natively(md):
         return None
     views = [dense_view(cache) for cache in kv_caches]
     capacity = views[0].keys.shape[2] if views[0].keys is not None else -1
@@ -408,14 +437,12 @@ def continuing_decode_views(kv_caches: Sequence[torch.Tensor], md: AttentionMeta
 def continued_decode_views(views: Sequence[DenseDecodeView], md: AttentionMetadata) -> None:
     """The views now hold this step's keys/values (what :func:`_decode_context` records)."""
     for view in views:
-        view.key = md.step_key
+        view.key = md.rows
 
 
-def _store_continuing_decode(
-    cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata
-) -> bool:
-    """For a decode step that continues the layer's dense view: this step's keys/values into the
-    paged cache and the view in one native call. ``False`` (nothing written) otherwise."""
+def _store_continuing(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata) -> bool:
+    """For a step that continues the layer's dense view: this step's keys/values into the paged
+    cache and the view in one native call. ``False`` (nothing written) otherwise."""
     if not _stores_natively(md):
         return False
     view = dense_view(cache)
@@ -428,9 +455,9 @@ def _store_continuing_decode(
 def _decode_context(
     cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: AttentionMetadata, appended: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys/values ``[Hkv, R, kv_len, D]`` of a decode step, from the layer's dense view when
+    """Keys/values ``[Hkv, R, kv_len, D]`` of a ``rows`` step, from the layer's dense view when
     this step continues the previous one (appending ``key``/``value``, this step's
-    ``[Hkv, R, D]``, unless ``appended`` says that is done), else gathered from the blocks
+    ``[Hkv, T, D]``, unless ``appended`` says that is done), else gathered from the blocks
     (and a view built for the next steps)."""
     view = dense_view(cache)
     r, kv_len = md.num_reqs, md.kv_len
@@ -445,12 +472,12 @@ def _decode_context(
     else:
         k, v = gather_kv(cache, md.flat_gather_ids(cache.shape[1], cache.shape[2]), r)
         k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-        if view.key == md.prev_step_key:
-            # The second decode step of the same batch in a row: later ones will likely follow.
+        if md.rows.follows(view.key):
+            # The second step of the same batch in a row: later ones will likely follow.
             build_dense_view(view, cache, k, v, md.block_size)
         else:
             view.valid = False
-    view.key = md.step_key
+    view.key = md.rows
     return k, v
 
 
@@ -478,16 +505,17 @@ def _attend_cache(
     num_kv_heads = cache.shape[1]
     group = num_heads // num_kv_heads
     r, lq = md.num_reqs, md.max_query_len
-    if md.step_key is not None and key is not None:
+    if md.rows is not None and key is not None:
         k, v = _decode_context(cache, key, value, md, appended)
     else:
         k, v = gather_kv(cache, md.flat_gather_ids(num_kv_heads, cache.shape[2]), r)
         if md.single_kv_len is not None:
             k, v = k[:, :, : md.single_kv_len], v[:, :, : md.single_kv_len]
     scale = head_dim**-0.5 if scaling is None else scaling
-    if md.kind == DECODE:
-        # One pass per (KV head, sequence) over its own keys, no mask (fp32 CPU, where built).
-        out = native_decode_attention(query, k, v, md.seq_lens, scale)
+    if md.token_kv_lens is not None:
+        # One pass per (KV head, token) over its own sequence's keys up to its position, no mask
+        # (fp32 CPU, where built).
+        out = native_decode_attention(query, k, v, md.token_kv_lens, scale, md.token_rows)
         if out is not None:
             return out
     q = query.view(num_kv_heads, group, num_tokens, head_dim)  # [Hkv, G, T, D]

@@ -1,11 +1,13 @@
-"""Decode attention on the native kernel: one query token per sequence, fp32 on CPU.
+"""Decode attention on the native kernel: a few query tokens per sequence, fp32 on CPU.
 
-For a batch of single-token queries torch's path is two batched matmuls of
-tiny matrices plus a softmax, a mask and the layout copies around them; the
-kernel (``csrc/decode_attention.cpp``) does each (KV head, sequence) pair's
-scores, softmax and weighted sum in one pass over that sequence's own keys,
-so rows of different lengths need no mask. Results differ from torch's in
-summation order and ``exp`` rounding only.
+For a batch of single-token queries (or a speculative verify step's few per
+sequence) torch's path is two batched matmuls of tiny matrices plus a
+softmax, a mask and the layout copies around them; the kernel
+(``csrc/decode_attention.cpp``) does each (KV head, query token) pair's
+scores, softmax and weighted sum in one pass over its own sequence's keys up
+to its own position, so neither ragged lengths nor causality need a mask.
+Results differ from torch's in summation order and ``exp`` rounding only,
+and a token's result does not depend on the other tokens of its step.
 """
 
 from __future__ import annotations
@@ -18,17 +20,23 @@ __all__ = ["native_decode_attention"]
 
 
 def native_decode_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """``[R, H, D]`` attention output, or ``None`` where the kernel does not apply.
+    """``[T, H, D]`` attention output, or ``None`` where the kernel does not apply.
 
-    ``query`` is ``[H, R, D]`` (any strides with contiguous head rows),
+    ``query`` is ``[H, T, D]`` (any strides with contiguous head rows),
     ``keys``/``values`` ``[Hkv, R, S, D]`` with contiguous ``[S, D]`` rows per
-    sequence (e.g. a slice of a longer dense view), and sequence ``r`` reads
-    its first ``seq_lens[r]`` keys (int64, ``<= S``).
+    sequence (e.g. a slice of a longer dense view), and query token ``t``
+    reads the first ``seq_lens[t]`` keys (int64, ``<= S``) of sequence
+    ``kv_rows[t]`` (int64; ``None``: sequence ``t``, one token per sequence).
     """
     lib = native_kernels()
-    num_heads, num_seqs, dim = query.shape
+    num_heads, num_tokens, dim = query.shape
     num_kv_heads = keys.shape[0]
     if (
         lib is None
@@ -41,12 +49,14 @@ def native_decode_attention(
         or keys.stride()[2:] != (dim, 1)
         or seq_lens.dtype != torch.int64
         or not seq_lens.is_contiguous()
+        or (kv_rows is not None and (kv_rows.dtype != torch.int64 or not kv_rows.is_contiguous()))
     ):
         return None
-    out = torch.empty((num_seqs, num_heads, dim), dtype=torch.float32)
+    out = torch.empty((num_tokens, num_heads, dim), dtype=torch.float32)
+    rows = None if kv_rows is None else kv_rows.data_ptr()
     done = lib.decode_attention(
-        query.data_ptr(), query.stride(1), query.stride(0), keys.data_ptr(), values.data_ptr(),
-        keys.stride(0), keys.stride(1), seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, dim,
-        scale, out.data_ptr(), torch.get_num_threads(),
+        query.data_ptr(), query.stride(1), query.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+        keys.stride(1), rows, seq_lens.data_ptr(), num_tokens, num_heads, num_kv_heads, dim, scale, out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     return out if done else None

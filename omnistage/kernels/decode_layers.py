@@ -5,9 +5,10 @@ RoPE, KV store, decode attention, o, residual, norm, gate/up, SiLU, down,
 residual); at batch 1 the Python around them costs about a third of the
 step. :class:`NativeDecodeLayers` holds every layer's weight pointers once
 and runs the same calls, in the same order, from C: the hidden states come
-out bit for bit as from the Python sequence. It serves plain decode steps
-whose keys/values go to the paged cache and to each layer's dense decode
-view, and whose attention reads that view; the caller checks that.
+out bit for bit as from the Python sequence. It serves steps of a few tokens
+per sequence (plain decode, speculative verify) whose keys/values go to the
+paged cache and to each layer's dense decode view, and whose attention reads
+that view; the caller checks that.
 """
 
 from __future__ import annotations
@@ -89,23 +90,25 @@ class NativeDecodeLayers:
         dense: Sequence[tuple[torch.Tensor, torch.Tensor]],
         slots: torch.Tensor,
         dense_index: torch.Tensor,
-        seq_lens: torch.Tensor,
+        kv_lens: torch.Tensor,
+        kv_rows: torch.Tensor | None = None,
     ) -> None:
-        """``h`` ``[R, hidden]`` (contiguous fp32, updated in place) through every layer: each
+        """``h`` ``[T, hidden]`` (contiguous fp32, updated in place) through every layer: each
         layer's new keys/values go to its paged cache (``caches[l]``, ``[2, Hkv, blocks,
         block_size, D]``, at ``slots``) and its dense view (``dense[l]``, ``[Hkv, R, capacity,
-        D]`` each, at ``dense_index``), and attention reads the view's first ``seq_lens``
-        columns. ``cos``/``sin`` ``[R, 1, D]`` contiguous."""
+        D]`` each, at ``dense_index`` of the view flattened to ``[Hkv, R * capacity, D]``), and
+        token ``t`` attends to the first ``kv_lens[t]`` columns of view row ``kv_rows[t]``
+        (``None``: row ``t``, one token per row). ``cos``/``sin`` ``[T, 1, D]`` contiguous."""
         if not (h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("NativeDecodeLayers.run: h, cos and sin must be contiguous")
-        rows = h.shape[0]
-        capacity = dense[0][0].shape[2]
+        keys0 = dense[0][0]
         head_stride = caches[0][0][0].numel()  # one KV head's slots in a cache half
         for entry, cache, (keys, values) in zip(self.table, caches, dense):
             entry.cache_k, entry.cache_v = cache[0].data_ptr(), cache[1].data_ptr()
             entry.dense_k, entry.dense_v = keys.data_ptr(), values.data_ptr()
         native_kernels().decode_layers(
-            ctypes.addressof(self.table), len(self.table), h.data_ptr(), rows, self.hidden, self.num_heads, self.num_kv_heads,
-            self.head_dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), head_stride,
-            dense_index.data_ptr(), capacity, seq_lens.data_ptr(), torch.get_num_threads(),
+            ctypes.addressof(self.table), len(self.table), h.data_ptr(), h.shape[0], self.hidden, self.num_heads,
+            self.num_kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), head_stride,
+            dense_index.data_ptr(), keys0.shape[2], keys0.stride(0), None if kv_rows is None else kv_rows.data_ptr(),
+            kv_lens.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -46,17 +46,18 @@ _SIGNATURES = {
     "group_int8_gemm": (None, [_P, _L, _L, _P, _I, _P, _P, _P, _L, _I]),
     # w, N, K, q, d, m, threads -> 1 when exact
     "group_int8_encode": (_I, [_P, _L, _L, _P, _P, _P, _I]),
-    # q, q_seq_stride, q_head_stride, k, v, kv_head_stride, kv_seq_stride, seq_lens, R, H, Hkv, D, scale, out,
-    # threads -> 0 for an unsupported head size
-    "decode_attention": (_I, [_P, _L, _L, _P, _P, _L, _L, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I]),
+    # q, q_seq_stride, q_head_stride, k, v, kv_head_stride, kv_seq_stride, kv_rows, seq_lens, R, H, Hkv, D, scale,
+    # out, threads -> 0 for an unsupported head size
+    "decode_attention": (_I, [_P, _L, _L, _P, _P, _L, _L, _P, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I]),
     # x, M, K, weight, eps, out, threads
     "rms_norm": (None, [_P, _L, _L, _P, ctypes.c_float, _P, _I]),
     # x, T, H, D, x_stride, cos, sin, out, threads
     "rope": (None, [_P, _L, _L, _L, _L, _P, _P, _P, _I]),
     # gu, M, I, out, threads
     "silu_mul": (None, [_P, _L, _L, _P, _I]),
-    # layers, L, h, R, hidden, H, Hkv, D, cos, sin, slots, cache_hs, dense_idx, capacity, seq_lens, threads
-    "decode_layers": (None, [_P, _L, _P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _I]),
+    # layers, L, h, T, hidden, H, Hkv, D, cos, sin, slots, cache_hs, dense_idx, capacity, dense_hs, kv_rows,
+    # seq_lens, threads
+    "decode_layers": (None, [_P, _L, _P, _L, _L, _L, _L, _L, _P, _P, _P, _L, _P, _L, _L, _P, _P, _I]),
     # k, k_hs, k_ts, v, v_hs, v_ts, H, T, D, dst_k, dst_v, dst_hs, idx, dense_k, dense_v, dense_hs, dense_idx
     "kv_store": (None, [_P, _L, _L, _P, _L, _L, _L, _L, _L, _P, _P, _L, _P, _P, _P, _L, _P]),
 }

@@ -26,8 +26,8 @@ bound math. :class:`LeanDecoder` runs the same math with fewer ops:
   is then released (see *Weight ownership* below); a tied embedding is
   looked up from the same int8 rows. RMSNorm, RoPE and SiLU-times-up
   are one native call each instead of two to six torch ops, and decode
-  attention one pass per KV head and sequence. A plain decode step that
-  continues every layer's dense KV view runs all layers in one native call
+  attention one pass per KV head and query token. A decode or verify step
+  that continues every layer's dense KV view runs all layers in one native call
   (:mod:`omnistage.kernels.decode_layers`: the same kernels in the same
   order, bit for bit, without the Python between them, which was about a
   quarter of a batch-1 step);
@@ -458,11 +458,13 @@ class LeanDecoder:
         cos, sin = self.rope_tables(h, positions)
         views = continuing_decode_views(kv_caches, md) if self.native_layers is not None else None
         if views is not None and kv_caches[0].dtype == torch.float32:
-            # A plain decode step: all layers in one native call, the same kernels in the same order.
+            # A decode or verify step: all layers in one native call, the same kernels in the same order.
             h = h.clone() if inputs_embeds is not None else h.contiguous()  # updated in place
             index = md.dense_index(views[0].keys.shape[2])
             dense = [(view.keys, view.values) for view in views]
-            self.native_layers.run(h, cos, sin, kv_caches, dense, md.write_slots, index, md.seq_lens)
+            self.native_layers.run(
+                h, cos, sin, kv_caches, dense, md.write_slots, index, md.token_kv_lens, md.token_rows
+            )
             continued_decode_views(views, md)
             return native_rms_norm(h, self.final_norm, self.final_eps)
         native = self.native_ops

@@ -7,8 +7,8 @@ for a verify step than one whose kernels scale evenly. So a speculating engine
 measures it once, when it starts (:func:`measure_step_costs`):
 
 - **What is timed**: the engine's own forward and greedy token choice over
-  synthetic requests, ``B`` rows of ``q`` tokens each: plain decode steps
-  (``q = 1``, continuing the dense decode view, as a running batch does) at
+  synthetic requests, ``B`` rows of ``q`` tokens each, continuing the dense
+  decode views as a running batch does: plain decode steps (``q = 1``) at
   ``B = 1, 2, 3, 8`` and verify steps (``q = 1 + drafts``) at ``B = 1`` and
   ``B = 8``, up to ``1 + k`` tokens per row (``DECODE_SHAPES``,
   ``VERIFY_SHAPES``). The scheduler's own Python is left out: it costs a
@@ -50,7 +50,7 @@ __all__ = ["measure_step_costs"]
 DECODE_SHAPES = ((1, 1), (2, 1), (3, 1), (8, 1))
 VERIFY_SHAPES = ((1, 2), (1, 3), (1, 4), (1, 6), (1, 9), (8, 2), (8, 3), (8, 5))
 CONTEXT = 48  # tokens each synthetic request holds before its first step
-# Untimed decode steps before a timed one: the second builds the batch's dense view, the third reads it.
+# Untimed decode steps before a timed one: the second builds the batch's dense views, the timed one reads them.
 LEAD_IN = 2
 
 
@@ -75,7 +75,7 @@ def measure_step_costs(runner, max_drafts: int, rounds: int = 2) -> StepCost | N
             best = dict.fromkeys(shapes, float("inf"))
             for r in range(rounds):
                 for s in shapes if r % 2 == 0 else shapes[::-1]:
-                    best[s] = min(best[s], step.seconds(*s, lead_in=LEAD_IN if s[1] == 1 else 0))
+                    best[s] = min(best[s], step.seconds(*s, lead_in=LEAD_IN))
     finally:
         for cache in runner.kv_caches:
             release_dense_view(cache)

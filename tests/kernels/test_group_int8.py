@@ -59,7 +59,7 @@ def test_rows_are_the_fp32_rows_bit_for_bit(kind):
     assert torch.equal(got.view(torch.int32), w[ids].view(torch.int32))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 32, 64, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32, 64, 200])
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
 def test_matmul_matches_fp32_linear_on_the_same_weights(rows, kind):
     w = gguf_weight((160, 288), kind, seed=rows)
@@ -85,7 +85,7 @@ def test_q4_1_weights_take_half_a_byte_per_weight_and_q8_0_a_byte():
     assert q4.d.dtype == q4.m.dtype == torch.float16
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9])
 def test_4_bit_layout_multiplies_exactly_as_the_8_bit_one(rows):
     # The same integers in both layouts: the nibbles' power-of-two scaling is exact, so the bits agree
     # (every nibble position, the sign bit of the top one included, holds values up to 15 here).

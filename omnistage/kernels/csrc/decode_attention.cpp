@@ -1,9 +1,11 @@
-// Decode attention: one query token per sequence over that sequence's keys and values.
+// Decode attention: each query token over its own sequence's first keys and values.
 //
-// q[r, h, :] (strided), keys/values [Hkv, R, S, D] (strided over heads and sequences,
-// contiguous rows), seq_lens[r] keys valid per sequence; query head h reads KV head
-// h / (H / Hkv). out[r, h, :] = softmax(scale * q . k_j) @ v over j < seq_lens[r].
-// One task per (KV head, sequence) pair, so rows of different lengths need no mask.
+// q[t, h, :] (strided), keys/values [Hkv, S_rows, S, D] (strided over heads and sequences,
+// contiguous rows); query token t reads sequence kv_rows[t] (t itself where kv_rows is null:
+// one token per sequence, a decode step) and its first seq_lens[t] keys; query head h reads KV
+// head h / (H / Hkv). out[t, h, :] = softmax(scale * q . k_j) @ v over j < seq_lens[t].
+// A speculative verify step's tokens of one sequence read it up to their own positions, which
+// is the causal mask. One task per (KV head, query token), so lengths differ freely.
 #include <math.h>
 #include <stdint.h>
 
@@ -50,8 +52,8 @@ void attend(const float* q, const float* keys, const float* values, long len, fl
 
 // Returns 0 (and does nothing) for a head size other than 32, 64 or 128.
 extern "C" int decode_attention(const float* q, long q_seq_stride, long q_head_stride, const float* k,
-                                const float* v, long kv_head_stride, long kv_seq_stride, const int64_t* seq_lens,
-                                long R, long H, long Hkv, long D, float scale, float* out, int threads) {
+                                const float* v, long kv_head_stride, long kv_seq_stride, const int64_t* kv_rows,
+                                const int64_t* seq_lens, long R, long H, long Hkv, long D, float scale, float* out, int threads) {
     if (D != 32 && D != 64 && D != 128) return 0;
     const long group = H / Hkv;
     long keys = 0;
@@ -66,8 +68,9 @@ extern "C" int decode_attention(const float* q, long q_seq_stride, long q_head_s
         for (long kvh = 0; kvh < Hkv; kvh++) {
             for (long r = 0; r < R; r++) {
                 const long len = seq_lens[r];
-                const float* keys = k + kvh * kv_head_stride + r * kv_seq_stride;
-                const float* values = v + kvh * kv_head_stride + r * kv_seq_stride;
+                const long row = kv_rows != nullptr ? kv_rows[r] : r;
+                const float* keys = k + kvh * kv_head_stride + row * kv_seq_stride;
+                const float* values = v + kvh * kv_head_stride + row * kv_seq_stride;
                 weights.resize(len + 16);
                 for (long h = kvh * group; h < (kvh + 1) * group; h++) {
                     const float* qh = q + r * q_seq_stride + h * q_head_stride;

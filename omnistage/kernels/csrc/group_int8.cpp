@@ -30,6 +30,9 @@ constexpr long kTile = 32;
 constexpr long kMaxK = 1 << 14;
 // Rows of x per block against a tile's panel: their 2 * rows accumulators stay in registers.
 constexpr int kBlockRows = kRegisters == 32 ? 8 : 3;
+// Up to this many rows multiply the stored integers directly (rows_times_tile): their 2 * rows
+// group sums and 2 * rows outputs stay in registers beside the integers being converted.
+constexpr int kFactoredRows = kRegisters == 32 ? 6 : 2;
 
 // Nibble j of each lane's word, times 16^j: masked in place, never shifted (one op per k), except
 // the top one, shifted down (a mask would leave the sign bit set). Exact as an fp32: 4 significant bits.
@@ -132,7 +135,8 @@ struct GroupSums {
     }
 };
 
-// MR (1 or 2) rows straight from the stored integers: with so few rows, a panel would not be reused.
+// MR (up to kFactoredRows) rows straight from the stored integers, each converted once for all
+// of them: with so few rows a rebuilt panel's stores and loads would cost more than they save.
 // Each group's scale and offset come out of its sum, y += d * sum(q * x) + m * sum(x) (xsum[r, g]
 // holds sum(x) per row and group): one fma per weight and row, and no weight is rebuilt.
 template <int MR, int BITS>
@@ -156,6 +160,16 @@ void rows_times_tile(const float* xs, const float* xsum, long K, const void* q, 
         }
     }
     out.store_rows(y, ldy);
+}
+
+// rows_times_tile for rows = 1 .. kFactoredRows.
+template <int BITS, int MR = 1>
+inline void factored_rows(long rows, const float* xs, const float* xsum, long K, const void* q, const uint16_t* d,
+                          const uint16_t* m, float* y, long ldy) {
+    if constexpr (MR <= kFactoredRows) {
+        if (rows == MR) rows_times_tile<MR, BITS>(xs, xsum, K, q, d, m, y, ldy);
+        else factored_rows<BITS, MR + 1>(rows, xs, xsum, K, q, d, m, y, ldy);
+    }
 }
 
 // A tile's weights rebuilt exactly into panel[K][32] fp32, for several row blocks to reuse: d * q is
@@ -216,10 +230,11 @@ void gemm(const float* x, long M, long K, const void* q, const uint16_t* d, cons
           int threads) {
     const long tiles = N / kTile, groups = K / kGroup;
     const long tile_bytes = BITS == 8 ? K * kTile : K / 8 * kTile * 4;
-    // For 1 or 2 rows: x's per-group sums and, for the 4-bit layout, x scaled for its nibbles.
+    // For the factored path: x's per-group sums and, for the 4-bit layout, x scaled for its nibbles.
+    const bool factored = M <= kFactoredRows;
     std::vector<float> scaled, xsum;
     const float* xs = x;
-    if (M <= 2) {
+    if (factored) {
         xsum.resize(M * groups);
         if (BITS == 4) {
             scaled.resize(M * K);
@@ -237,15 +252,14 @@ void gemm(const float* x, long M, long K, const void* q, const uint16_t* d, cons
 #pragma omp parallel num_threads(threads)
     {
         static thread_local float* panel = nullptr;
-        if (M > 2 && panel == nullptr) panel = (float*)aligned_alloc(64, kMaxK * kTile * sizeof(float));
+        if (!factored && panel == nullptr) panel = (float*)aligned_alloc(64, kMaxK * kTile * sizeof(float));
 #pragma omp for schedule(static)
         for (long t = 0; t < tiles; t++) {
             const void* qt = (const uint8_t*)q + t * tile_bytes;
             const uint16_t* dt = d + t * groups * kTile;
             const uint16_t* mt = m + t * groups * kTile;
             float* yt = y + t * kTile;
-            if (M == 1) { rows_times_tile<1, BITS>(xs, xsum.data(), K, qt, dt, mt, yt, N); continue; }
-            if (M == 2) { rows_times_tile<2, BITS>(xs, xsum.data(), K, qt, dt, mt, yt, N); continue; }
+            if (factored) { factored_rows<BITS>(M, xs, xsum.data(), K, qt, dt, mt, yt, N); continue; }
             build_panel<BITS>(K, qt, dt, mt, panel);
             long r = 0;
             for (; r + kBlockRows <= M; r += kBlockRows) rows_times_panel<kBlockRows>(x + r * K, K, panel, yt + r * N, N);
