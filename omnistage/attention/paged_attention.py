@@ -71,15 +71,22 @@ class StepRows:
     req_ids: tuple[str, ...]
     computed: tuple[int, ...]  # context per row before the step
     seq_lens: tuple[int, ...]  # and after it
+    # The last answer of follows(): every layer asks about the same previous step.
+    _last: tuple[object, bool] | None = field(default=None, compare=False, repr=False)
 
     def follows(self, prev: StepRows | None) -> bool:
         """Whether this step continues ``prev``: the same requests in the same rows, each one
         starting past where it started in ``prev`` and no later than where ``prev`` left it.
         Starting earlier than that is a verify step's rejected drafts rolled back: their
         columns are rewritten before any token reads them."""
-        if prev is None or prev.req_ids != self.req_ids:
-            return False
-        return all(p0 < c <= p1 for p0, c, p1 in zip(prev.computed, self.computed, prev.seq_lens))
+        if self._last is not None and self._last[0] is prev:
+            return self._last[1]
+        result = (
+            prev is not None and prev.req_ids == self.req_ids
+            and all(p0 < c <= p1 for p0, c, p1 in zip(prev.computed, self.computed, prev.seq_lens))
+        )  # fmt: skip
+        object.__setattr__(self, "_last", (prev, result))
+        return result
 
 
 @dataclass

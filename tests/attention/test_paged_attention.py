@@ -22,11 +22,13 @@ from omnistage.attention.paged_attention import (
     MIXED,
     PREFILL,
     PREFILL_SINGLE,
+    StepRows,
     allocate_kv_caches,
     build_attention_metadata,
     paged_attention_forward,
 )
 from omnistage.attention import kv_cache
+from omnistage.attention import paged_attention as pa
 from omnistage.worker.input_batch import InputBatch
 
 BLOCK = 4
@@ -340,3 +342,55 @@ def test_dense_decode_view_when_the_scheduled_subset_changes(models):
     decode_and_check(h, ref, seqs, {"r0": 5, "r1": 4}, 3)
     decode_and_check(h, ref, seqs, {"r1": 7, "r2": 3}, 3)
     decode_and_check(h, ref, seqs, {"r0": 8, "r2": 6}, 2)
+
+
+def test_verify_steps_continue_the_dense_view_through_rejected_drafts(models, monkeypatch):
+    """Steps of a few tokens per row (speculative verify) append to the dense views; a row rolled
+    back past rejected drafts (other tokens at those positions next step) still reads the view,
+    and every token's logits equal HF's over the tokens the batch holds then."""
+    ours, ref = models
+    gathers = []
+    gather = pa.gather_kv
+    monkeypatch.setattr(pa, "gather_kv", lambda *a: gathers.append(1) or gather(*a))
+    seqs = {f"r{i}": s for i, s in enumerate(prompts(ours.vocab_size, [40, 40], seed=17))}
+    h = PagedHarness(ours, seed=17)
+    for r, s in seqs.items():
+        h.add(r, s)
+    row = {r: h.batch.req_id_to_index[r] for r in seqs}
+
+    def step_and_check(sched: dict[str, int]) -> None:
+        start = {r: int(h.batch.num_computed_tokens_cpu[row[r]]) for r in sched}
+        out = h.step(sched)
+        for r, n in sched.items():
+            held = h.batch.token_ids_cpu[row[r], : start[r] + n].tolist()
+            check(out[r], reference_logits(ref, held)[start[r] :])
+
+    step_and_check({"r0": 10, "r1": 8})
+    step_and_check({"r0": 1, "r1": 1})
+    step_and_check({"r0": 1, "r1": 1})  # builds the views
+    view = kv_cache.dense_view(h.caches[0])
+    assert view.valid
+    gathers.clear()
+    for drafts, accepted in (((3, 1), (1, 0)), ((2, 4), (2, 0)), ((0, 2), (0, 2))):
+        # Drafts the target will reject after the first `accepted`: other tokens than the sequence's.
+        start = {r: int(h.batch.num_computed_tokens_cpu[row[r]]) for r in seqs}
+        for (r, k), a in zip(zip(seqs, drafts), accepted):
+            for j in range(a + 1, k + 1):
+                h.batch.token_ids_cpu[row[r], start[r] + j] = (seqs[r][start[r] + j] + 1) % ours.vocab_size
+        step_and_check({r: 1 + k for r, k in zip(seqs, drafts)})
+        for (r, k), a in zip(zip(seqs, drafts), accepted):  # roll back: the bonus token replaces the first rejected
+            h.batch.token_ids_cpu[row[r], start[r] : start[r] + k + 1] = torch.tensor(seqs[r][start[r] : start[r] + k + 1])
+            h.batch.update_request(r, [], start[r] + a + 1)
+        assert view.valid
+    step_and_check({"r0": 1, "r1": 1})
+    assert gathers == []  # every step read the views
+
+
+def test_step_rows_follow_a_step_they_continue():
+    prev = StepRows(("a", "b"), (10, 20), (13, 21))
+    assert StepRows(("a", "b"), (13, 21), (14, 22)).follows(prev)  # all drafts kept / plain decode
+    assert StepRows(("a", "b"), (11, 21), (15, 22)).follows(prev)  # a's drafts rejected after one
+    assert not StepRows(("a", "b"), (10, 21), (11, 22)).follows(prev)  # a did not advance: recomputed
+    assert not StepRows(("a", "b"), (14, 21), (15, 22)).follows(prev)  # a skipped a token
+    assert not StepRows(("b", "a"), (21, 13), (22, 14)).follows(prev)  # other rows
+    assert not StepRows(("a", "b"), (13, 21), (14, 22)).follows(None)

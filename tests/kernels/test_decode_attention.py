@@ -71,3 +71,25 @@ def test_declines_what_it_does_not_cover():
     assert native_decode_attention(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), lens, 1.0) is None
     assert native_decode_attention(q, kv, kv, lens.int(), 1.0) is None
     assert native_decode_attention(q, kv, kv.transpose(2, 3), lens, 1.0) is None  # columns, not rows
+
+
+def test_tokens_of_a_verify_step_read_their_own_row_up_to_their_position():
+    # Three sequences with 1, 3 and 2 query tokens (a decode row and two verify runs), each token
+    # over its sequence's keys up to its own position: the same numbers, bit for bit, as the
+    # one-token call for that row and length (a token's result depends on nothing else in its step).
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, seqs = 6, 2, 64, 3
+    dense = torch.randn(2, kv_heads, seqs, 48, dim, generator=gen)
+    keys, values = dense[0], dense[1]
+    rows = torch.tensor([0, 1, 1, 1, 2, 2])
+    lens = torch.tensor([20, 30, 31, 32, 9, 10])
+    query = torch.randn(heads, len(rows), dim, generator=gen)
+    got = native_decode_attention(query, keys, values, lens, dim**-0.5, rows)
+    assert got is not None and got.shape == (len(rows), heads, dim)
+    for t, (r, n) in enumerate(zip(rows.tolist(), lens.tolist())):
+        alone = native_decode_attention(
+            query[:, t : t + 1], keys[:, r : r + 1], values[:, r : r + 1], torch.tensor([n]), dim**-0.5
+        )
+        assert torch.equal(got[t], alone[0])
+        want = reference(query[:, t : t + 1], keys[:, r : r + 1], values[:, r : r + 1], [n], dim**-0.5)
+        assert (got[t].double() - want[0]).abs().max() < 1e-5

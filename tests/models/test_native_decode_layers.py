@@ -1,4 +1,4 @@
-"""A plain decode step through every layer in one native call (``kernels/decode_layers.py``)
+"""A decode or verify step through every layer in one native call (``kernels/decode_layers.py``)
 gives bit for bit the hidden states of the layer-by-layer native sequence it replaces."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnistage.core import spec_policy
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.stage_engine import LLMEngine
 from omnistage.kernels.native import native_kernels
@@ -19,7 +20,12 @@ pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels
 PROMPTS = ["hello world!", "the quick brown fox jumps over the lazy dog.", "one two three four five six"]
 
 
-def _decode_outputs(loaded, monkeypatch, batch: int) -> tuple[list[torch.Tensor], list[list[int]], list[torch.Tensor]]:
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+
+
+def _decode_outputs(
+    loaded, monkeypatch, batch: int, spec: dict | None = None
+) -> tuple[list[torch.Tensor], list[list[int]], list[torch.Tensor]]:
     """The lean decoder's output at every step, the generated tokens and the KV caches after."""
     seen: list[torch.Tensor] = []
     forward = LeanDecoder.forward
@@ -30,8 +36,10 @@ def _decode_outputs(loaded, monkeypatch, batch: int) -> tuple[list[torch.Tensor]
         return out
 
     monkeypatch.setattr(LeanDecoder, "forward", recording)
-    engine = LLMEngine(EngineArgs(model=loaded.model_path, block_size=4), loaded_model=loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = LLMEngine(EngineArgs(model=loaded.model_path, block_size=4, speculative_config=spec), loaded_model=loaded)
+    # Speculating: long enough for the random model's output to repeat a token, which the
+    # n-gram proposer drafts from.
+    params = SamplingParams(temperature=0.0, max_tokens=40 if spec else 12, ignore_eos=True)
     for i, prompt in enumerate((PROMPTS * 3)[:batch]):
         engine.add_request(str(i), prompt, params)
     done = {}
@@ -43,18 +51,24 @@ def _decode_outputs(loaded, monkeypatch, batch: int) -> tuple[list[torch.Tensor]
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("batch", [1, 3])
-def test_one_call_equals_the_layer_by_layer_sequence(arch, batch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["decode", "verify"])
+def test_one_call_equals_the_layer_by_layer_sequence(arch, batch, spec, tmp_path, monkeypatch):
+    if spec:  # every proposal verified at full length, so verify steps of several tokens per row run
+        monkeypatch.setattr(spec_policy, "DEFAULT_STEP_COST_POINTS", ((1, 1.0), (2, 1.0)))
+        monkeypatch.setattr(spec_policy, "DEFAULT_MIN_GAIN", 0.0)
     loaded = load_model(str(write_tiny_checkpoint(arch, tmp_path, gguf_weights=True, head_dim=32)))
     lean = loaded.model.lean
     native = lean.native_layers
     assert native is not None
     calls = []
     run = native.run
-    monkeypatch.setattr(native, "run", lambda *a: calls.append(1) or run(*a))
-    fused, fused_tokens, fused_kv = _decode_outputs(loaded, monkeypatch, batch)
-    assert len(calls) >= 8  # the decode steps after the dense views are built
+    monkeypatch.setattr(native, "run", lambda h, *a: calls.append(h.shape[0]) or run(h, *a))
+    fused, fused_tokens, fused_kv = _decode_outputs(loaded, monkeypatch, batch, spec)
+    assert len(calls) >= (4 if spec else 8)  # the steps after the dense views are built
+    if spec:
+        assert max(calls) > batch  # verify steps: several tokens of a row in one call
     lean.native_layers = None
-    plain, plain_tokens, plain_kv = _decode_outputs(loaded, monkeypatch, batch)
+    plain, plain_tokens, plain_kv = _decode_outputs(loaded, monkeypatch, batch, spec)
     assert fused_tokens == plain_tokens
     assert len(fused) == len(plain)
     assert all(torch.equal(a, b) for a, b in zip(fused, plain))
