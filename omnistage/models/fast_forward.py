@@ -169,7 +169,7 @@ def prepack_enabled(weights: Sequence[torch.Tensor]) -> bool:
 
 @dataclass
 class _Layer:
-    in_norm: torch.Tensor
+    in_norm: torch.Tensor | None  # None: no input norm (an EAGLE-1 head's layer)
     in_eps: float
     qkv: PackedLinear
     qk_norm: torch.Tensor | None  # [H + Hkv, D] (Qwen3), None otherwise
@@ -180,6 +180,130 @@ class _Layer:
     gate_up: PackedLinear
     down: PackedLinear
     scaling: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_hf(
+        cls, layer: torch.nn.Module, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear
+    ) -> _Layer:
+        """An HF decoder layer's norms and attention settings around the given linears."""
+        attn = layer.self_attn
+        config = attn.config
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        qk_norm, qk_eps = None, 0.0
+        if hasattr(attn, "q_norm"):
+            qk_norm = torch.cat(
+                [
+                    attn.q_norm.weight.detach().expand(num_heads, -1),
+                    attn.k_norm.weight.detach().expand(num_kv_heads, -1),
+                ]
+            ).contiguous()
+            qk_eps = float(attn.q_norm.variance_epsilon)
+            if float(attn.k_norm.variance_epsilon) != qk_eps:
+                raise ValueError("LeanDecoder: q_norm and k_norm epsilons differ")
+        in_norm = getattr(layer.input_layernorm, "weight", None)
+        return cls(
+            in_norm=None if in_norm is None else in_norm.detach(),
+            in_eps=float(getattr(layer.input_layernorm, "variance_epsilon", 0.0)),
+            qkv=qkv,
+            qk_norm=qk_norm,
+            qk_eps=qk_eps,
+            o=o,
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+            gate_up=gate_up,
+            down=down,
+            scaling=float(attn.scaling),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(attn.head_dim),
+        )
+
+
+def _linear_groups(layer: torch.nn.Module) -> tuple[list[torch.nn.Linear], ...]:
+    """A decoder layer's linears as the lean forward fuses them: q/k/v, gate/up, o, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj], [attn.o_proj], [mlp.down_proj]
+
+
+def lean_linear(linears: Sequence[torch.nn.Linear], prepack: bool) -> PackedLinear:
+    """``linears`` fused into one lean linear (their parameters become views of its weight),
+    prepacked where asked and worth it (:func:`prepack_enabled`)."""
+    weight, bias = _fuse(linears, transpose=_transposes(linears[0].weight))
+    return PackedLinear(weight, bias, prepack and prepack_enabled([weight]))
+
+
+def lean_layer(layer: torch.nn.Module) -> _Layer:
+    """One HF decoder layer (an EAGLE head's) in the lean form: its linears fused in place
+    (no memory added), prepacked as the decoder's are (bf16: all; fp32: gate/up)."""
+    qkv, gate_up, o, down = _linear_groups(layer)
+    rest = qkv[0].weight.dtype != torch.float32
+    return _Layer.from_hf(
+        layer, lean_linear(qkv, rest), lean_linear(o, rest), lean_linear(gate_up, True), lean_linear(down, rest)
+    )
+
+
+def _transposes(weight: torch.Tensor) -> bool:
+    """fp32 on CPU stores matmul weights ``[in, out]`` contiguous (see the module doc)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def uses_native_ops(weight: torch.Tensor) -> bool:
+    """Whether the elementwise steps of a layer with this weight run as native calls (fp32 on CPU)."""
+    return _transposes(weight) and native_kernels() is not None
+
+
+def rope_tables(
+    rotary: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and sign-folded ``sin``, ``[T, 1, D]`` each, from an HF rotary module.
+
+    ``rotate_half(x) * sin == roll(x, D/2) * cat(-sin1, sin2)`` exactly
+    (negation commutes with rounding), so RoPE becomes one roll, two
+    multiplies and an add on q and k together.
+    """
+    cos, sin = rotary(hidden, positions[None])  # [1, T, D]
+    half = head_dim // 2
+    sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+    return cos[0, :, None], sin[:, None]
+
+
+def layer_forward(
+    layer: _Layer,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    md: AttentionMetadata,
+    native: bool,
+) -> torch.Tensor:
+    """One decoder layer over ``h`` ``[T, hidden]`` (paged attention on ``cache``): the new ``h``."""
+    t = h.shape[0]
+    nh, nkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    nqk = nh + nkv
+    norm = native_rms_norm if native else _rms_norm
+    x = h if layer.in_norm is None else norm(h, layer.in_norm, layer.in_eps)
+    qkv = layer.qkv(x)
+    qk = qkv[:, : nqk * d].view(t, nqk, d)
+    if layer.qk_norm is not None:
+        qk = _rms_norm(qk, layer.qk_norm, layer.qk_eps)
+    if native and d % 32 == 0:
+        qk = native_rope(qk, cos, sin)
+    else:
+        qk = qk * cos + torch.roll(qk, d // 2, -1) * sin
+    v = qkv[:, nqk * d :].view(t, nkv, d)
+    attn = paged_attention(
+        qk[:, :nh].transpose(0, 1), qk[:, nh:].transpose(0, 1), v.transpose(0, 1), cache, md, layer.scaling
+    )
+    h = h + layer.o(attn.reshape(t, nh * d))
+    x = norm(h, layer.post_norm, layer.post_eps)
+    gu = layer.gate_up(x)
+    inter = gu.shape[1] // 2
+    act = native_silu_mul(gu) if native else F.silu(gu[:, :inter]) * gu[:, inter:]
+    return h + layer.down(act)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -279,22 +403,14 @@ class LeanDecoder:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.layers: list[_Layer] = []
         cpu = self.embed.weight.device.type == "cpu"
-        transpose = cpu and self.embed.weight.dtype == torch.float32
+        transpose = _transposes(self.embed.weight)
         lm_head = hf_model.get_output_embeddings()
         # fp32 on CPU: weights with an exact group-int8 form live only in that form (their HF
         # copies released), and the elementwise steps run as native calls.
-        int8 = self.native_ops = transpose and native_kernels() is not None
+        int8 = self.native_ops = uses_native_ops(self.embed.weight)
         # (linear, HF modules whose weights it holds) for every weight the HF modules gave up.
         self._released: list[tuple[PackedLinear, list[torch.nn.Module]]] = []
-        groups = [
-            (
-                [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-                [layer.mlp.gate_proj, layer.mlp.up_proj],
-                [layer.self_attn.o_proj],
-                [layer.mlp.down_proj],
-            )
-            for layer in base.layers
-        ]
+        groups = [_linear_groups(layer) for layer in base.layers]
         owned = [tuple(self._own_int8(g) if int8 else None for g in layer) for layer in groups]
         lm_int8 = self._own_int8([lm_head]) if int8 else None
         # A tied LM head is the embedding itself: its int8 rows serve the lookup too. Otherwise an
@@ -325,35 +441,13 @@ class LeanDecoder:
 
         self.lm_head = linear(lm, self.prepack)
         for layer, (qkv, gate_up, o, down) in zip(base.layers, fused):
-            attn = layer.self_attn
-            self.head_dim = int(attn.head_dim)
-            qk_norm, qk_eps = None, 0.0
-            if hasattr(attn, "q_norm"):
-                qk_norm = torch.cat(
-                    [
-                        attn.q_norm.weight.detach().expand(self.num_heads, -1),
-                        attn.k_norm.weight.detach().expand(self.num_kv_heads, -1),
-                    ]
-                ).contiguous()
-                qk_eps = float(attn.q_norm.variance_epsilon)
-                if float(attn.k_norm.variance_epsilon) != qk_eps:
-                    raise ValueError("LeanDecoder: q_norm and k_norm epsilons differ")
             self.layers.append(
-                _Layer(
-                    in_norm=layer.input_layernorm.weight.detach(),
-                    in_eps=float(layer.input_layernorm.variance_epsilon),
-                    qkv=linear(qkv, pack_rest),
-                    qk_norm=qk_norm,
-                    qk_eps=qk_eps,
-                    o=linear(o, pack_rest),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
-                    post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-                    gate_up=linear(gate_up, self.prepack),
-                    down=linear(down, pack_rest),
-                    scaling=float(attn.scaling),
+                _Layer.from_hf(
+                    layer, linear(qkv, pack_rest), linear(o, pack_rest), linear(gate_up, self.prepack),
+                    linear(down, pack_rest),
                 )
-            )
-        self.intermediate = int(self.layers[0].gate_up.out_features // 2)
+            )  # fmt: skip
+        self.head_dim = self.layers[0].head_dim
         self.native_layers = self._native_layers()
 
     def _native_layers(self) -> NativeDecodeLayers | None:
@@ -430,16 +524,8 @@ class LeanDecoder:
         return self.embed(input_ids)
 
     def rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and sign-folded ``sin``, ``[T, 1, D]`` each, from the model's rotary module.
-
-        ``rotate_half(x) * sin == roll(x, D/2) * cat(-sin1, sin2)`` exactly
-        (negation commutes with rounding), so RoPE becomes one roll, two
-        multiplies and an add on q and k together.
-        """
-        cos, sin = self.rotary(hidden, positions[None])  # [1, T, D]
-        half = self.head_dim // 2
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-        return cos[0, :, None], sin[:, None]
+        """The model's RoPE tables for ``positions`` (:func:`rope_tables`)."""
+        return rope_tables(self.rotary, hidden, positions, self.head_dim)
 
     def forward(
         self,
@@ -450,11 +536,6 @@ class LeanDecoder:
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.embed_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        t = h.shape[0]
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        nqk = nh + nkv
-        half = d // 2
-        inter = self.intermediate
         cos, sin = self.rope_tables(h, positions)
         views = continuing_decode_views(kv_caches, md) if self.native_layers is not None else None
         if views is not None and kv_caches[0].dtype == torch.float32:
@@ -467,26 +548,7 @@ class LeanDecoder:
             )
             continued_decode_views(views, md)
             return native_rms_norm(h, self.final_norm, self.final_eps)
-        native = self.native_ops
-        norm = native_rms_norm if native else _rms_norm
-        native_rope_ok = native and d % 32 == 0
         for layer, cache in zip(self.layers, kv_caches):
-            x = norm(h, layer.in_norm, layer.in_eps)
-            qkv = layer.qkv(x)
-            qk = qkv[:, : nqk * d].view(t, nqk, d)
-            if layer.qk_norm is not None:
-                qk = _rms_norm(qk, layer.qk_norm, layer.qk_eps)
-            if native_rope_ok:
-                qk = native_rope(qk, cos, sin)
-            else:
-                qk = qk * cos + torch.roll(qk, half, -1) * sin
-            v = qkv[:, nqk * d :].view(t, nkv, d)
-            attn = paged_attention(
-                qk[:, :nh].transpose(0, 1), qk[:, nh:].transpose(0, 1), v.transpose(0, 1), cache, md, layer.scaling
-            )
-            h = h + layer.o(attn.reshape(t, nh * d))
-            x = norm(h, layer.post_norm, layer.post_eps)
-            gu = layer.gate_up(x)
-            act = native_silu_mul(gu) if native else F.silu(gu[:, :inter]) * gu[:, inter:]
-            h = h + layer.down(act)
+            h = layer_forward(layer, h, cos, sin, cache, md, self.native_ops)
+        norm = native_rms_norm if self.native_ops else _rms_norm
         return norm(h, self.final_norm, self.final_eps)

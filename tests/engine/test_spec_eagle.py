@@ -172,6 +172,35 @@ def test_greedy_equals_speculation_off_and_hf(arch, kind, targets):
     _drain_and_check_clean(on)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
+def test_lean_head_equals_hf_layer(arch, targets):
+    """The head runs the lean decoder's layer (fused, prepacked matmuls, native norms and RoPE).
+    Every head pass of a run (prefill chunks, catch-ups, draft steps) is also run through HF's
+    decoder-layer module on the same inputs, cache and weights: the outputs agree up to fp32
+    summation order (relative to the pass's largest value: a random head's outputs reach the
+    hundreds along a draft chain)."""
+    loaded, head, _ = targets(arch, "random")
+    engine = make_engine(loaded, speculative_config=_eagle(head))
+    module = engine.runner.proposer.head
+    lean, forward = module.lean, module.forward
+    assert lean is not None
+    worst = []
+
+    def both(*args):
+        module.lean = None
+        ref = forward(*args)  # HF's module (it writes the same KV slots; the lean pass rewrites them)
+        module.lean = lean
+        out = forward(*args)
+        worst.append(float((out - ref).abs().max() / ref.abs().max().clamp(min=1.0)))
+        return out
+
+    module.forward = both
+    off = _tokens(run_all(make_engine(loaded), PROMPTS, GREEDY))
+    assert _tokens(run_all(engine, PROMPTS, GREEDY)) == off
+    assert len(worst) > len(PROMPTS) and max(worst) < 1e-5, max(worst)
+    _drain_and_check_clean(engine)
+
+
 @pytest.mark.parametrize("kind", ["random", "accepting"])
 def test_batch_of_sixteen_chunked_by_eight_with_prefix_hits(kind, targets):
     """Sixteen requests, a budget of 8 tokens per step (every prompt is split),
