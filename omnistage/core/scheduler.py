@@ -93,7 +93,8 @@ class Scheduler:
     open-ended text stops drafting. N-gram proposals are scored in the
     shadow until it copies again; a worker drafter is asked for the policy's
     allocation (computed when the request samples, for its next step), fed
-    each verified run, and probes a request that stopped with back-off.
+    each verified run, and probes a request that stopped with back-off (a
+    probe's proposal is scored in the shadow, never verified).
 
     Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
     window may shrink to stop before an item that cannot be encoded this
@@ -388,10 +389,14 @@ class Scheduler:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         if k < 1:
             return []
+        policy, state = self.draft_policy, request.draft_state
         if cfg.uses_drafter:  # what the worker's drafter proposed after the request's last step
             proposal, request.draft_token_ids = request.draft_token_ids, []
-            return take_worker_drafts(proposal, k, cfg.banned_token_ids)
-        policy, state = self.draft_policy, request.draft_state
+            drafts = take_worker_drafts(proposal, k, cfg.banned_token_ids)
+            if policy is not None and state.probing:  # a probe: scored in the shadow, not verified
+                policy.shadow(state, drafts)
+                return []
+            return drafts
         assert policy is not None
         worth = self._worth_drafting.get(request.request_id, 0)
         if worth == 0 and state.shadow:
@@ -562,7 +567,7 @@ class Scheduler:
                 status = request.check_stop(self.max_len(request))
                 if status is not None:
                     break
-            if self.draft_policy is not None and not self.config.speculative_config.uses_drafter:
+            if self.draft_policy is not None:  # scores a pending shadow proposal (a drafter's: a probe)
                 self.draft_policy.observe_tokens(request.draft_state, tokens)
             if self.config.enable_prefix_caching:
                 update_block_hashes(request, self.block_size)

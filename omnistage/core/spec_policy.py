@@ -36,13 +36,17 @@ no cost when its text starts copying again, open-ended text pays nothing
 for being watched, and a run verified short of its proposal still counts
 the rest (a copying request reaches full-length runs after one proposal).
 The n-gram proposer is plain Python over the request's tokens, so its
-shadow is free. A drafter whose proposals cost a forward (EAGLE) has no
-shadow: ``observe`` takes each verified run, and a request the allocation
-leaves at zero drafts is probed (``drafter_drafts``): one full-``k`` run
-first, then a one-draft run after 4, 8, ... up to 64 idle sampling steps
-(exponential back-off, reset once the allocation drafts again), so a
-request whose text turns predictable is noticed, and a head that never
-agrees costs a one-draft probe every 64 tokens at most.
+shadow is free. A drafter whose proposals cost a forward (EAGLE) is
+not free to watch: ``observe`` takes each verified run, and a request the
+allocation leaves at zero drafts is probed (``drafter_drafts``): one
+full-``k`` proposal first, then a one-draft one after 4, 8, ... up to 64
+idle sampling steps (exponential back-off, reset once the allocation
+drafts again), so a request whose text turns predictable is noticed. A
+probe's proposal is scored in the shadow, like a prompt-lookup proposal,
+never verified: it costs the head's passes but no verify step (on a 2-core
+CPU a batch-8 step with one draft per row costs 1.5x a decode step, with
+four 2.9x), so a head that never agrees costs one head pass every 64 tokens
+at most.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class DraftState:
     num_runs: int = 0  # draft runs observed, verified or in the shadow
     probe_wait: int = 0  # drafter only: idle sampling steps left before the next probe (0: probe now)
     probe_gap: int = PROBE_FIRST_GAP  # drafter only: the idle gap after the next probe
+    probing: bool = False  # drafter only: the proposal asked for last is a probe (shadow-scored)
 
     @property
     def acceptance(self) -> float:
@@ -111,6 +116,9 @@ class StepCost:
     ) -> None:
         self.points = _curve(points)
         self.decode_points = _curve(decode_points) if decode_points is not None else self.points
+        # Every step asks for the same few token counts: each is interpolated once.
+        self._verify: dict[int, float] = {}
+        self._decode: dict[int, float] = {}
 
     @classmethod
     def linear(cls, token_cost: float) -> StepCost:
@@ -119,11 +127,17 @@ class StepCost:
 
     def __call__(self, num_tokens: int) -> float:
         """A step of ``num_tokens`` tokens, some of them drafts."""
-        return _interpolate(self.points, num_tokens)
+        cost = self._verify.get(num_tokens)
+        if cost is None:
+            cost = self._verify[num_tokens] = _interpolate(self.points, num_tokens)
+        return cost
 
     def decode(self, num_rows: int) -> float:
         """A step of ``num_rows`` one-token decode rows."""
-        return _interpolate(self.decode_points, num_rows)
+        cost = self._decode.get(num_rows)
+        if cost is None:
+            cost = self._decode[num_rows] = _interpolate(self.decode_points, num_rows)
+        return cost
 
 
 def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -182,19 +196,22 @@ class DraftPolicy:
     def drafter_drafts(self, state: DraftState, allocated: int) -> int:
         """Drafts a costly drafter proposes for a request the allocation gave
         ``allocated``: that many, or a probe when it is zero and one is due
-        (``max_k`` before any run, then one draft); one call per sampling step,
-        deterministic."""
+        (``max_k`` before any run, then one draft; ``state.probing`` says which,
+        for the scheduler to shadow-score a probe's proposal instead of verifying
+        it); one call per sampling step, deterministic."""
+        state.probing = False
         if allocated > 0:
             state.probe_wait, state.probe_gap = PROBE_FIRST_GAP, PROBE_FIRST_GAP
             return allocated
-        if state.probe_wait > 0:
-            state.probe_wait -= 1
+        if state.probe_wait > 0 or state.shadow:  # not due, or the last probe is still being scored
+            state.probe_wait = max(state.probe_wait - 1, 0)
             return 0
+        state.probing = True
         first = state.num_runs == 0
         state.probe_wait, state.probe_gap = state.probe_gap, min(2 * state.probe_gap, PROBE_MAX_GAP)
-        # The first run measures at full length; later probes verify one draft (a verify
-        # of 2 tokens costs about a decode step; each further draft costs a head step and
-        # more verify), enough to notice agreement and raise the estimate.
+        # The first proposal is scored at full length; later probes propose one draft (each
+        # further one costs a head step and an LM-head pass), enough to notice agreement and
+        # raise the estimate.
         return self.max_k if first else 1
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:

@@ -108,12 +108,11 @@ def test_worker_drafts_are_verified_and_outputs_do_not_change(right):
             r.prompt_token_ids, 9
         )
     stats = sched.get_stats()
-    assert stats.num_draft_tokens > 0
-    assert (
-        (stats.num_accepted_tokens == stats.num_draft_tokens)
-        if right
-        else stats.num_accepted_tokens == 0
-    )
+    if right:
+        assert stats.num_draft_tokens > 0
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    else:  # only probes were asked for, and a probe is scored in the shadow, never verified
+        assert stats.num_draft_tokens == 0
     assert any(worker.asked)
     assert_pool_clean(sched)
 
