@@ -160,7 +160,11 @@ class StageEngine:
             from omnistage.models.eagle_head import load_eagle_head
 
             assert speculative_config.model is not None
-            drafter = load_eagle_head(speculative_config.model, model.hidden_size, model.dtype, args.device)
+            lean = getattr(model, "lean", None)  # a head for a GGUF-quantized target is rounded to Q8_0
+            drafter = load_eagle_head(
+                speculative_config.model, model.hidden_size, model.dtype, args.device,
+                int8=lean is not None and lean.group_int8,
+            )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

@@ -26,7 +26,9 @@ import torch
 
 from omnistage.kernels.native import native_kernels
 
-__all__ = ["GROUP", "TILE", "GroupInt8Weight", "encode_group_int8", "group_int8_matmul", "group_int8_rows"]
+__all__ = [
+    "GROUP", "TILE", "GroupInt8Weight", "encode_group_int8", "group_int8_matmul", "group_int8_rows", "quantize_q8_0",
+]  # fmt: skip
 
 GROUP = 32  # weights per (d, m) pair, along the input dimension (GGUF's block size)
 TILE = 32  # output columns per kernel tile
@@ -113,6 +115,29 @@ def encode_group_int8(weight: torch.Tensor) -> GroupInt8Weight | None:
     if q.min() >= 0 and q.max() <= 15:
         return GroupInt8Weight(_pack_words(q), d.half(), m.half(), bits=4)
     return GroupInt8Weight(q, d.half(), m.half(), bits=8)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> GroupInt8Weight | None:
+    """An fp32 CPU ``[N, K]`` weight quantized as GGUF's ``Q8_0`` quantizes it, in the group-int8 form.
+
+    Lossy, unlike :func:`encode_group_int8`: each run of 32 inputs gets
+    ``d = amax / 127`` (stored as fp16) and ``q = round(w * (1 / d))``, halves
+    away from zero, in fp32 as ggml's reference does, so the weights are
+    the ones a ``Q8_0`` file of this tensor dequantizes to (tested against
+    the ``gguf`` package). For weights whose rounding costs quality, never
+    exactness (an EAGLE head's: its drafts are verified). ``None`` where the
+    form does not apply (shape, dtype, no native kernels).
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP:
+        return None
+    groups = weight.detach().reshape(weight.shape[0], -1, GROUP)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    scaled = groups * torch.where(d == 0, 0.0, 1.0 / d)
+    q = scaled.sign() * (scaled.abs() + 0.5).floor()
+    d16 = d.half().float()
+    if not torch.isfinite(d16).all():
+        return None
+    return encode_group_int8((q * d16).reshape(weight.shape))
 
 
 def group_int8_matmul(x: torch.Tensor, weight: GroupInt8Weight) -> torch.Tensor:

@@ -27,6 +27,7 @@ target's decode step. Where no lean form applies, HF's module runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,15 @@ from omnistage.attention.paged_attention import (
     AttentionMetadata,
     attention_context,
 )
-from omnistage.models.fast_forward import layer_forward, lean_layer, lean_linear, rope_tables, uses_native_ops
+from omnistage.kernels.group_int8 import quantize_q8_0
+from omnistage.models.fast_forward import (
+    PackedLinear,
+    layer_forward,
+    lean_layer,
+    lean_linear,
+    rope_tables,
+    uses_native_ops,
+)
 
 __all__ = ["EAGLE_ARCHITECTURES", "EagleHead", "load_eagle_head"]
 
@@ -95,14 +104,32 @@ class EagleHead(torch.nn.Module):
         self.hidden_size = int(config.hidden_size)
         self.lean = None  # set by make_lean() once the weights have their device and dtype
 
-    def make_lean(self) -> None:
-        """Run the layer (and ``fc``) the lean way where it can: fp32 or bf16, no sliding window."""
+    def make_lean(self, int8: bool = False) -> None:
+        """Run the layer (and ``fc``) the lean way where it can: fp32 or bf16, no sliding window.
+
+        ``int8`` (the target keeps its own weights in GGUF's group-int8 form): the
+        matmul weights are rounded to ``Q8_0`` and kept only in that form, a
+        quarter of fp32's bytes, which is what a head pass streams (1.7 ms of
+        fp32 at SmolLM2's width on a 2-core CPU). Drafts are verified, so the
+        rounding can cost acceptance, never output.
+        """
         config = self.config
         if getattr(config, "use_sliding_window", False) or getattr(config, "mlp_bias", False):
             return
         if getattr(config, "hidden_act", "silu") != "silu":
             return
-        self.lean = (lean_linear([self.fc], True), lean_layer(self.layer), uses_native_ops(self.fc.weight))
+        fc, layer, native = lean_linear([self.fc], True), lean_layer(self.layer), uses_native_ops(self.fc.weight)
+        if int8 and native:
+            attn, mlp = self.layer.self_attn, self.layer.mlp
+            fc = _q8_0(fc, [self.fc])
+            layer = dataclasses.replace(
+                layer,
+                qkv=_q8_0(layer.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
+                o=_q8_0(layer.o, [attn.o_proj]),
+                gate_up=_q8_0(layer.gate_up, [mlp.gate_proj, mlp.up_proj]),
+                down=_q8_0(layer.down, [mlp.down_proj]),
+            )
+        self.lean = (fc, layer, native)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -137,6 +164,18 @@ class EagleHead(torch.nn.Module):
         return out[0]
 
 
+def _q8_0(linear: PackedLinear, modules: list[torch.nn.Linear]) -> PackedLinear:
+    """``linear`` with its weight in ``Q8_0`` (:func:`quantize_q8_0`), the HF modules' fp32
+    copies released (one-element placeholders: HF's module no longer runs this head); as it
+    was where that form does not apply."""
+    weight = quantize_q8_0(linear.weight)
+    if weight is None:
+        return linear
+    for m in modules:
+        m.weight.data = m.weight.new_zeros(()).expand(m.weight.shape)
+    return PackedLinear.from_int8(weight, linear.bias)
+
+
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     weights: dict[str, torch.Tensor] = {}
@@ -161,8 +200,10 @@ def load_eagle_head(
     target_hidden_size: int,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    int8: bool = False,
 ) -> EagleHead:
-    """Load the head at ``path`` for a target of ``target_hidden_size``; ``ValueError`` names what is wrong."""
+    """Load the head at ``path`` for a target of ``target_hidden_size`` (``int8``: a target whose
+    weights are group-int8, see :meth:`EagleHead.make_lean`); ``ValueError`` names what is wrong."""
     path = Path(path).expanduser()
     where = f"EAGLE head {str(path)!r}"
     if not (path / "config.json").is_file():
@@ -209,5 +250,5 @@ def load_eagle_head(
         {k.removeprefix("fc."): v for k, v in weights.items() if k.startswith("fc.")}
     )
     head = EagleHead(config, fc, layer, rotary_cls(config=config)).to(device=device, dtype=dtype).eval()
-    head.make_lean()
+    head.make_lean(int8)
     return head

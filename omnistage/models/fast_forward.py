@@ -500,6 +500,11 @@ class LeanDecoder:
         self._released.append((lin, modules))
 
     @property
+    def group_int8(self) -> bool:
+        """Whether every layer's matmul weights are in the group-int8 form (a GGUF-quantized checkpoint)."""
+        return all(lin.int8 is not None for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+    @property
     def holds_hf_weights(self) -> bool:
         """Whether every HF module has its own weights (none released to the int8 form)."""
         return not self._released

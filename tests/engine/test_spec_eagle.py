@@ -280,7 +280,8 @@ def test_seeded_sampling_repeats_and_aborts_hold_nothing(targets):
 @pytest.mark.slow
 def test_embedded_default_model_with_a_random_head(tmp_path):
     """The embedded default (SmolLM2-135M, a Llama) with a random head of its
-    width: greedy chat answers equal speculation off, chunked by 8 (prefills beside decodes)."""
+    width: greedy chat answers equal speculation off, chunked by 8 (prefills beside decodes).
+    Its weights are GGUF's Q4_1, so the head runs in Q8_0 (only that form kept)."""
     loaded = load_model(None)
     head = str(write_tiny_eagle_head(loaded.model_path, tmp_path / "head"))
     off = make_engine(loaded, block_size=16, max_model_len=512)
@@ -297,6 +298,9 @@ def test_embedded_default_model_with_a_random_head(tmp_path):
         max_num_batched_tokens=8,
         speculative_config=_eagle(head),
     )
+    fc, layer, _ = on.runner.proposer.head.lean
+    assert all(lin.int8 is not None for lin in (fc, layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert on.runner.proposer.head.fc.weight.untyped_storage().nbytes() == 4  # the fp32 copy released
     assert _tokens(run_all(on, prompts, params)) == ref
     assert on.get_stats().num_draft_tokens > 0
     _drain_and_check_clean(on)

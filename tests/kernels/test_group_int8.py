@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 import omnistage.kernels.native as native
-from omnistage.kernels.group_int8 import GroupInt8Weight, encode_group_int8, group_int8_matmul, group_int8_rows
+from omnistage.kernels.group_int8 import (
+    GroupInt8Weight,
+    encode_group_int8,
+    group_int8_matmul,
+    group_int8_rows,
+    quantize_q8_0,
+)
 
 pytestmark = pytest.mark.skipif(native.native_kernels() is None, reason="native kernels need x86-64 AVX2 and g++")
 
@@ -157,3 +163,20 @@ def test_env_turns_native_kernels_off(monkeypatch):
         monkeypatch.delenv(native.NATIVE_ENV)
         native.native_kernels.cache_clear()
     assert native.native_kernels() is not None
+
+
+def test_quantize_q8_0_gives_the_weights_a_gguf_q8_0_file_holds():
+    # What gguf-py's (bit-exact with ggml's) Q8_0 quantize-then-dequantize gives, in the group-int8 form.
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 160, generator=gen) * torch.logspace(-3, 1, 160)  # groups of very different scales
+    w[5, 32:64] = 0.0  # a zero group: d = 0
+    enc = quantize_q8_0(w)
+    assert enc is not None and enc.bits in (4, 8)
+    ref = dequantize(quantize(w.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    assert torch.equal(enc.dequantize(), torch.from_numpy(ref).reshape(w.shape))
+    x = torch.randn(3, 160, generator=gen)
+    torch.testing.assert_close(group_int8_matmul(x, enc), x @ enc.dequantize().T, rtol=1e-5, atol=1e-5)
+    assert quantize_q8_0(w[:, :100]) is None  # inputs not a multiple of 32
