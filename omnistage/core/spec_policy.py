@@ -39,7 +39,7 @@ The n-gram proposer is plain Python over the request's tokens, so its
 shadow is free. A drafter whose proposals cost a forward (EAGLE) is
 not free to watch: ``observe`` takes each verified run, and a request the
 allocation leaves at zero drafts is probed (``drafter_drafts``): one
-full-``k`` proposal first, then a one-draft one after 4, 8, ... up to 64
+full-``k`` proposal first, then a one-draft one after 8, 16, ... up to 64
 idle sampling steps (exponential back-off, reset once the allocation
 drafts again), so a request whose text turns predictable is noticed. A
 probe's proposal is scored in the shadow, like a prompt-lookup proposal,
@@ -78,8 +78,10 @@ DEFAULT_DECAY = 0.8
 PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
 # A drafter's probes of a request that stopped drafting: the first idle gap
-# (in sampling steps) and the longest one (each failed probe doubles it).
-PROBE_FIRST_GAP = 4
+# (in sampling steps) and the longest one (each failed probe doubles it). At 8
+# a head that never agrees is probed 3 times in a 96-token reply after its first
+# proposal (4 times at 4): each probe costs about a decode step at batch 1.
+PROBE_FIRST_GAP = 8
 PROBE_MAX_GAP = 64
 
 

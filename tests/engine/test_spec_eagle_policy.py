@@ -22,7 +22,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 def test_probes_back_off_exponentially_and_reset_when_drafting_pays():
     policy, state = DraftPolicy(max_k=K), DraftState()
     asks = []
-    for _ in range(1 + 5 + 9 + 17):
+    for _ in range(4 + 7 * PROBE_FIRST_GAP):  # through the fourth probe
         asks.append(policy.drafter_drafts(state, 0))
         if asks[-1]:
             policy.observe(state, asks[-1], 0)
@@ -46,7 +46,7 @@ def test_random_head_is_probed_in_the_shadow_with_identical_outputs(targets, mon
     on = make_engine(loaded, speculative_config=_eagle(head, K))
     outs = run_all(on, PROMPTS, LONG)
     assert _tokens(outs) == off
-    # Per request: the first proposal (up to K drafts), then one draft after 4, 8 and 16 idle
+    # Per request: the first proposal (up to K drafts), then one draft after 8, 16 and 32 idle
     # steps (the next is due past 64 tokens), each scored against the emitted tokens and none
     # verified: a probe costs no verify step.
     assert len(probes) == 4 * len(PROMPTS) and probes.count(1) >= 3 * len(PROMPTS)
