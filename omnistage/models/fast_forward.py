@@ -58,6 +58,11 @@ oneDNN copy of the gate/up and LM-head weights (fp32) or of all (bf16).
 
 Only the exact HF classes listed in :data:`LEAN_MODEL_CLASSES` qualify
 (checked per layer); anything else keeps the HF modeling path.
+
+One layer's forward (:func:`layer_forward`, over a :class:`_Layer` built by
+:meth:`_Layer.from_hf`) serves the decoder stack's steps that do not take
+the one native call, and an EAGLE head's single layer
+(:func:`lean_layer`, :mod:`omnistage.models.eagle_head`).
 """
 
 from __future__ import annotations
