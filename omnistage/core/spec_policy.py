@@ -64,10 +64,11 @@ from itertools import pairwise
 # ratios cost(B + m) / cost(B) matter. Overridable per engine (``DraftPolicy(step_cost=...)``).
 DEFAULT_STEP_COST_POINTS = ((1, 1.0), (2, 1.3), (3, 2.2), (9, 3.3), (16, 4.8), (72, 13.3))
 # Drafting must promise this much more tokens per unit time than plain decoding.
-# The cost curve comes from steady runs of verify steps; in real traffic a verify
-# step also leaves the decode fast path (the dense KV view is rebuilt after it),
-# which the curve does not see: at 1.05, bench_spec measured open-ended chat at
-# 0.79x (batch 1) and copy prompts at 0.80x (batch 8) with an idle machine.
+# Set when a verify step still left the decode fast path (the dense KV view was
+# rebuilt after it, which the curve did not see: at 1.05, bench_spec measured
+# open-ended chat at 0.79x at batch 1 and copy prompts at 0.80x at batch 8).
+# Verify steps now continue the view; on a 2-core Zen 4, 1.15 and 1.3 measured
+# the same within noise (four interleaved bench_spec runs each), so it stays.
 DEFAULT_MIN_GAIN = 1.3
 # Decay of the acceptance counts per observed draft run: about the last ten
 # runs count, so a request that moves from copying to free text adapts in a
