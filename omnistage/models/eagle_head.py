@@ -46,6 +46,7 @@ from omnistage.models.fast_forward import (
     layer_forward,
     lean_layer,
     lean_linear,
+    linear_groups,
     rope_tables,
     uses_native_ops,
 )
@@ -118,17 +119,16 @@ class EagleHead(torch.nn.Module):
             return
         if getattr(config, "hidden_act", "silu") != "silu":
             return
-        fc, layer, native = lean_linear([self.fc], True), lean_layer(self.layer), uses_native_ops(self.fc.weight)
-        if int8 and native:
-            attn, mlp = self.layer.self_attn, self.layer.mlp
+        native = uses_native_ops(self.fc.weight)
+        q8 = int8 and native  # no oneDNN copies then: the fp32 weights are only quantized
+        fc, layer = lean_linear([self.fc], not q8), lean_layer(self.layer, prepack=not q8)
+        if q8:
+            qkv, gate_up, o, down = linear_groups(self.layer)
             fc = _q8_0(fc, [self.fc])
             layer = dataclasses.replace(
-                layer,
-                qkv=_q8_0(layer.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
-                o=_q8_0(layer.o, [attn.o_proj]),
-                gate_up=_q8_0(layer.gate_up, [mlp.gate_proj, mlp.up_proj]),
-                down=_q8_0(layer.down, [mlp.down_proj]),
-            )
+                layer, qkv=_q8_0(layer.qkv, qkv), o=_q8_0(layer.o, o), gate_up=_q8_0(layer.gate_up, gate_up),
+                down=_q8_0(layer.down, down),
+            )  # fmt: skip
         self.lean = (fc, layer, native)
 
     @property

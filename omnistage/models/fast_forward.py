@@ -228,7 +228,7 @@ class _Layer:
         )
 
 
-def _linear_groups(layer: torch.nn.Module) -> tuple[list[torch.nn.Linear], ...]:
+def linear_groups(layer: torch.nn.Module) -> tuple[list[torch.nn.Linear], ...]:
     """A decoder layer's linears as the lean forward fuses them: q/k/v, gate/up, o, down."""
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj], [attn.o_proj], [mlp.down_proj]
@@ -241,13 +241,14 @@ def lean_linear(linears: Sequence[torch.nn.Linear], prepack: bool) -> PackedLine
     return PackedLinear(weight, bias, prepack and prepack_enabled([weight]))
 
 
-def lean_layer(layer: torch.nn.Module) -> _Layer:
+def lean_layer(layer: torch.nn.Module, prepack: bool = True) -> _Layer:
     """One HF decoder layer (an EAGLE head's) in the lean form: its linears fused in place
-    (no memory added), prepacked as the decoder's are (bf16: all; fp32: gate/up)."""
-    qkv, gate_up, o, down = _linear_groups(layer)
-    rest = qkv[0].weight.dtype != torch.float32
+    (no memory added), prepacked as the decoder's are (bf16: all; fp32: gate/up) unless
+    ``prepack`` is off (weights about to take another form)."""
+    qkv, gate_up, o, down = linear_groups(layer)
+    rest = prepack and qkv[0].weight.dtype != torch.float32
     return _Layer.from_hf(
-        layer, lean_linear(qkv, rest), lean_linear(o, rest), lean_linear(gate_up, True), lean_linear(down, rest)
+        layer, lean_linear(qkv, rest), lean_linear(o, rest), lean_linear(gate_up, prepack), lean_linear(down, rest)
     )
 
 
@@ -399,13 +400,10 @@ class LeanDecoder:
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         base = hf_model.model
-        config = hf_model.config
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.final_norm = base.norm.weight
         self.final_eps = float(base.norm.variance_epsilon)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.layers: list[_Layer] = []
         cpu = self.embed.weight.device.type == "cpu"
         transpose = _transposes(self.embed.weight)
@@ -415,7 +413,7 @@ class LeanDecoder:
         int8 = self.native_ops = uses_native_ops(self.embed.weight)
         # (linear, HF modules whose weights it holds) for every weight the HF modules gave up.
         self._released: list[tuple[PackedLinear, list[torch.nn.Module]]] = []
-        groups = [_linear_groups(layer) for layer in base.layers]
+        groups = [linear_groups(layer) for layer in base.layers]
         owned = [tuple(self._own_int8(g) if int8 else None for g in layer) for layer in groups]
         lm_int8 = self._own_int8([lm_head]) if int8 else None
         # A tied LM head is the embedding itself: its int8 rows serve the lookup too. Otherwise an
@@ -471,7 +469,8 @@ class LeanDecoder:
                     layer.scaling, *((lin.int8, lin.bias) for lin in linears),
                 )
             )  # fmt: skip
-        return NativeDecodeLayers(weights, self.num_heads, self.num_kv_heads, self.head_dim)
+        first = self.layers[0]
+        return NativeDecodeLayers(weights, first.num_heads, first.num_kv_heads, self.head_dim)
 
     def _own_int8(self, linears: Sequence[torch.nn.Linear]) -> PackedLinear | None:
         """The fused linear over ``linears`` in its exact group-int8 form, taking their
