@@ -46,6 +46,10 @@ _SIGNATURES = {
     "group_int8_gemm": (None, [_P, _L, _L, _P, _I, _P, _P, _P, _L, _I]),
     # w, N, K, q, d, m, threads -> 1 when exact
     "group_int8_encode": (_I, [_P, _L, _L, _P, _P, _P, _I]),
+    # -> 1 where the build has the screened argmax (AVX-512 VNNI)
+    "group_int8_argmax_available": (_I, []),
+    # x, M, K, q, d, m, norms, N, ids, threads -> 1 when answered
+    "group_int8_argmax": (_I, [_P, _L, _L, _P, _P, _P, _P, _L, _P, _I]),
     # q, q_seq_stride, q_head_stride, k, v, kv_head_stride, kv_seq_stride, kv_rows, seq_lens, R, H, Hkv, D, scale,
     # out, threads -> 0 for an unsupported head size
     "decode_attention": (_I, [_P, _L, _L, _P, _P, _L, _L, _P, _P, _L, _L, _L, _L, ctypes.c_float, _P, _I]),

@@ -170,8 +170,16 @@ class CausalLM:
 
         The argmax is taken on the logits in the model's dtype: widening to
         fp32 is exact and order-preserving, so it cannot change the result,
-        and skipping it saves a ``[N, vocab]`` copy per step in bf16.
+        and skipping it saves a ``[N, vocab]`` copy per step in bf16. Over an
+        8-bit LM head, rows of a batch take the lean forward's screened argmax
+        (:func:`~omnistage.kernels.group_int8.group_int8_argmax`): each row's
+        token is the argmax of its logits computed alone, which differ from
+        the batch matmul's by the roundings of a summation order.
         """
+        if self._use_lean and hidden_states.dim() == 2:
+            ids = self._lean.greedy_ids(hidden_states)
+            if ids is not None:
+                return ids
         return first_argmax(self._head(hidden_states))
 
     @torch.inference_mode()

@@ -77,7 +77,9 @@ from transformers import PreTrainedModel
 from omnistage import envs
 from omnistage.kernels.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from omnistage.kernels.decode_ops import native_rms_norm, native_rope, native_silu_mul
-from omnistage.kernels.group_int8 import GroupInt8Weight, encode_group_int8, group_int8_matmul, group_int8_rows
+from omnistage.kernels.group_int8 import (
+    GroupInt8Weight, argmax_screen_norms, encode_group_int8, group_int8_argmax, group_int8_matmul, group_int8_rows,
+)  # fmt: skip
 from omnistage.kernels.native import native_kernels
 from omnistage.attention.paged_attention import (
     AttentionMetadata,
@@ -443,6 +445,9 @@ class LeanDecoder:
             return weight if isinstance(weight, PackedLinear) else PackedLinear(weight[0], weight[1], pack)
 
         self.lm_head = linear(lm, self.prepack)
+        # Greedy rows over an 8-bit LM head take its argmax screened (group_int8_argmax).
+        head = self.lm_head.int8 if self.lm_head.bias is None else None
+        self.argmax_norms = argmax_screen_norms(head) if head is not None else None
         for layer, (qkv, gate_up, o, down) in zip(base.layers, fused):
             self.layers.append(
                 _Layer.from_hf(
@@ -525,6 +530,17 @@ class LeanDecoder:
                     m.weight.data = weight[start : start + n]
                     start += n
         self._released = []
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax over the LM head by the screened kernel, or ``None`` where it does not run.
+
+        Not for one row: its fp32 logits are the screen's exact pass already (the same
+        one-row kernel, so the same token), and reading the weights once is all either
+        costs; the screen's extra work made a batch-1 decode 4% slower.
+        """
+        if self.argmax_norms is None or hidden.shape[0] < 2:
+            return None
+        return group_int8_argmax(hidden, self.lm_head.int8, self.argmax_norms)
 
     def embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` input embeddings (from the int8 rows when the lean decoder owns them)."""

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 from utils_engine import assert_pool_clean, hf_greedy, run_all
 
 from omnistage.entrypoints.llm import LLM
+from omnistage.kernels.native import native_kernels
 from omnistage.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -48,3 +49,16 @@ def test_default_model_chat_second_turn_hits_prefix_cache(llm):
     assert first.outputs[0].text and second.outputs[0].text
     # The first turn's prompt (full blocks of it) is served from the cache.
     assert second.num_cached_tokens >= (len(first.prompt_token_ids) // 16) * 16 > 0
+
+
+def test_default_model_greedy_rows_take_the_screened_argmax(llm):
+    model = llm.llm_engine.runner.model
+    lib = native_kernels()
+    if lib is None or not lib.group_int8_argmax_available():
+        pytest.skip("the screened argmax needs AVX-512 VNNI")
+    assert model._lean.argmax_norms is not None  # the Q8_0 tied embedding is the LM head
+    # Hidden states of the size and spread the final norm gives, with a few outlier channels.
+    hidden = torch.randn(12, model._lean.lm_head.int8.in_features, generator=torch.Generator().manual_seed(0))
+    hidden[:, :3] *= 20
+    alone = [int(model.compute_logits(hidden[r : r + 1]).argmax()) for r in range(12)]
+    assert model.greedy_token_ids(hidden).tolist() == alone

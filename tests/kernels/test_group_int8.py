@@ -96,7 +96,7 @@ def test_4_bit_layout_multiplies_exactly_as_the_8_bit_one(rows):
     # The same integers in both layouts: the nibbles' power-of-two scaling is exact, so the bits agree
     # (every nibble position, the sign bit of the top one included, holds values up to 15 here).
     q4 = encode_group_int8(gguf_weight((64, 256), Q4_1, seed=rows))
-    q8 = GroupInt8Weight(q4.integers().contiguous(), q4.d, q4.m, bits=8)
+    q8 = GroupInt8Weight.from_integers(q4.integers(), q4.d, q4.m, bits=8)
     assert q4.integers().max() == 15 and torch.equal(q8.dequantize(), q4.dequantize())
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     assert torch.equal(group_int8_matmul(x, q4).view(torch.int32), group_int8_matmul(x, q8).view(torch.int32))

@@ -9,13 +9,17 @@
 // a different summation order gives.
 //
 // Layout, tiled by 32 output columns; d/m[tile][g][32] fp16 (as GGUF stores them), and q either
-//   bits 8: q[tile][k][32] int8                                   (1.125 bytes per weight), or
+//   bits 8: q[tile][k / 4][32] uint32, byte j of word c holding column c's q + 128 at
+//           k = 4 (k / 4) + j                                     (1.125 bytes per weight), or
 //   bits 4: q[tile][k / 8][32] uint32, nibble j (bits 4j..4j+3) of word c holding column c's
 //           q at k = 8 (k / 8) + j                                (0.625 bytes per weight; q in 0..15).
 // Decode steps stream every weight from memory once, so their time follows these byte counts.
+// The 8-bit words are what AVX-512 VNNI's u8 x s8 dot product reads, four k per lane: the
+// screened argmax at the end of this file multiplies them by int8 activations.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <vector>
 
@@ -53,17 +57,26 @@ constexpr float nibble_unscale(int j) { return j == 7 ? 1.0f : 1.0f / (float)(1u
 template <int BITS>
 struct TileIntegers;
 
+// Byte B of each lane's word as a signed integer: shifted to the top, then back down sign-extending.
+template <int B>
+inline vf signed_byte(vi words) {
+    if constexpr (B == 3) return to_float(shift_right_arith<24>(words));
+    else return to_float(shift_right_arith<24>(shift_left<24 - 8 * B>(words)));
+}
+
 template <>
 struct TileIntegers<8> {
-    const int8_t* q;
-    explicit TileIntegers(const void* tile) : q((const int8_t*)tile) {}
-    template <int J>  // k = 8 * octet + J
-    inline void get(long octet, vf* q0, vf* q1) const {
-        const int8_t* row = q + (8 * octet + J) * 32;
-        *q0 = from_int8(row);
-        *q1 = from_int8(row + 16);
+    const uint32_t* q;
+    vi w[4];  // the octet's two words of four k, for columns 0..15 and 16..31, as signed bytes
+    explicit TileIntegers(const void* tile) : q((const uint32_t*)tile) {}
+    inline void load_octet(long octet) {  // q + 128 back to q: the top bit of every byte flipped
+        for (int i = 0; i < 4; i++) w[i] = xor_int32(load_int32(q + octet * 64 + i * 16), 0x80808080u);
     }
-    inline void load_octet(long) {}
+    template <int J>  // k = 8 * octet + J
+    inline void get(long, vf* q0, vf* q1) const {
+        *q0 = signed_byte<J % 4>(w[2 * (J / 4)]);
+        *q1 = signed_byte<J % 4>(w[2 * (J / 4) + 1]);
+    }
 };
 
 template <>
@@ -316,6 +329,170 @@ bool encode_group(const float* w, int8_t* q, long stride, float* d, float* m) {
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// Screened greedy argmax over an 8-bit weight without offsets (m = 0 everywhere: GGUF's Q8_0, as
+// the embedded default's LM head is stored).
+//
+// ids[r] is the first index of the largest of row r's logits as rows_times_tile computes one row,
+// found without computing every logit in fp32:
+//  1. x is rounded to int8 per group of 32 inputs, each group with its own scale (x~ = s * xq,
+//     xq in -127..127), and VNNI's u8 x s8 dot products give every approximate logit
+//     a_n = x~ . w_n at about 2.5x the fp32 kernel's speed.
+//  2. The exact logit z_n lies within c * |w_n| of a_n: |x . w_n - x~ . w_n| <= |x - x~| |w_n|
+//     (Cauchy-Schwarz), and c adds a margin for both sides' fp32 roundings (bound_factor). So a
+//     column whose upper bound a_n + c |w_n| is below L, the largest lower bound a_n - c |w_n|
+//     over the row, can neither hold the maximum nor tie with it.
+//  3. Only the 32-column tiles with a column reaching L (one to a few per row on real hidden
+//     states) are computed exactly, by the one-row kernel, and the first maximum among them is
+//     the row's.
+// The result is the one-row kernel's argmax whatever the batch: a row's greedy token does not
+// depend on which rows share its step.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+namespace {
+
+constexpr int kScreenRows = 8;  // rows per block: 8 int32 and 8 fp32 accumulators in registers
+
+// x rounded to int8 per group, with what the screen needs beside it.
+struct ScreenRows {
+    std::vector<int8_t> xq;        // [M][K]
+    std::vector<float> scale;      // [M][G]: x~ = scale * xq within the group
+    std::vector<int32_t> offset;   // [M][G]: -128 * sum(xq), undoing the stored q + 128
+    std::vector<float> bound;      // [M]: c, the bound's factor, rounded up
+};
+
+// c = |x - x~| + gamma (|x| + |x~|), with gamma covering the fp32 roundings of the exact one-row
+// sums (a tree of depth 32 + G: the group's fma chain, then one fma per group) and of the screen's
+// (depth G + 2, each integer sum being exact), and of a_n +- c |w_n| themselves. Norms are summed
+// in double; |x - x~| gets 1e-4 of slack for its own and c * |w_n|'s rounding. False when x has a
+// value that is not finite (the caller then takes every logit).
+bool quantize_rows(const float* x, long M, long K, ScreenRows& s) {
+    const long G = K / kGroup;
+    s.xq.resize(M * K), s.scale.resize(M * G), s.offset.resize(M * G), s.bound.resize(M);
+    const double gamma = (40.0 + 2.0 * G) * 0x1p-24;
+    for (long r = 0; r < M; r++) {
+        double err2 = 0.0, x2 = 0.0, approx2 = 0.0;
+        for (long g = 0; g < G; g++) {
+            const float* xg = x + r * K + g * kGroup;
+            float amax = 0.0f;
+            for (long k = 0; k < kGroup; k++) {
+                if (!isfinite(xg[k])) return false;
+                amax = fmaxf(amax, fabsf(xg[k]));
+            }
+            const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (long k = 0; k < kGroup; k++) {
+                const int32_t q = (int32_t)fminf(fmaxf(nearbyintf(xg[k] * inverse), -127.0f), 127.0f);
+                s.xq[r * K + g * kGroup + k] = (int8_t)q;
+                sum += q;
+                const double approx = (double)scale * q, err = (double)xg[k] - approx;
+                err2 += err * err, x2 += (double)xg[k] * xg[k], approx2 += approx * approx;
+            }
+            s.scale[r * G + g] = scale;
+            s.offset[r * G + g] = -128 * sum;
+        }
+        const double c = 1.0001 * sqrt(err2) + gamma * (sqrt(x2) + sqrt(approx2)) + 1e-30;
+        if (!isfinite(c)) return false;
+        s.bound[r] = nextafterf((float)c, INFINITY);
+    }
+    return true;
+}
+
+// MR rows against 16 columns (one half of a tile): hi[r] = the largest upper bound among them, and
+// lo[r * 16 ..] = the lane-wise largest lower bound so far.
+template <int MR>
+void screen_rows(const ScreenRows& s, long row, long K, const uint8_t* q, const uint16_t* d, const float* norms,
+                 float* hi, long ldhi, float* lo) {
+    const long G = K / kGroup;
+    const int8_t* xq = s.xq.data() + row * K;
+    __m512 out[MR];
+    for (int r = 0; r < MR; r++) out[r] = _mm512_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        __m512i acc[MR];
+        for (int r = 0; r < MR; r++) acc[r] = _mm512_set1_epi32(s.offset[(row + r) * G + g]);
+        for (int i = 0; i < kGroup / 4; i++) {
+            const __m512i w = _mm512_loadu_si512(q + (g * kGroup / 4 + i) * 128);  // 16 columns' four k
+            for (int r = 0; r < MR; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + g * kGroup + 4 * i, 4);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(four));
+            }
+        }
+        const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + g * kTile)));
+        for (int r = 0; r < MR; r++) {
+            const __m512 ds = _mm512_mul_ps(dg, _mm512_set1_ps(s.scale[(row + r) * G + g]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), ds, out[r]);
+        }
+    }
+    const __m512 wn = _mm512_loadu_ps(norms);
+    for (int r = 0; r < MR; r++) {
+        const __m512 c = _mm512_mul_ps(_mm512_set1_ps(s.bound[row + r]), wn);
+        hi[r * ldhi] = _mm512_reduce_max_ps(_mm512_add_ps(out[r], c));
+        float* lr = lo + (row + r) * 16;
+        _mm512_storeu_ps(lr, _mm512_max_ps(_mm512_loadu_ps(lr), _mm512_sub_ps(out[r], c)));
+    }
+}
+
+template <int MR = 1>
+inline void screen_tail(long rows, const ScreenRows& s, long row, long K, const uint8_t* q, const uint16_t* d,
+                        const float* norms, float* hi, long ldhi, float* lo) {
+    if constexpr (MR < kScreenRows) {
+        if (rows == MR) screen_rows<MR>(s, row, K, q, d, norms, hi, ldhi, lo);
+        else screen_tail<MR + 1>(rows, s, row, K, q, d, norms, hi, ldhi, lo);
+    }
+}
+
+int screened_argmax(const float* x, long M, long K, const void* q, const uint16_t* d, const uint16_t* m,
+                    const float* norms, long N, int64_t* ids, int threads) {
+    const long tiles = N / kTile, halves = 2 * tiles, groups = K / kGroup;
+    ScreenRows s;
+    if (!quantize_rows(x, M, K, s)) return 0;
+    std::vector<float> hi(M * halves), floor(M, -INFINITY);
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> lo(M * 16, -INFINITY);  // each row's 16 lanes
+#pragma omp for schedule(static)
+        for (long h = 0; h < halves; h++) {  // half h / 2 of tile h / 2: its words' 64 bytes at h % 2 * 64
+            const uint8_t* qh = (const uint8_t*)q + (h / 2) * K * kTile + (h % 2) * 64;
+            const uint16_t* dh = d + (h / 2) * groups * kTile + (h % 2) * 16;
+            long r = 0;
+            for (; r + kScreenRows <= M; r += kScreenRows)
+                screen_rows<kScreenRows>(s, r, K, qh, dh, norms + h * 16, hi.data() + r * halves + h, halves, lo.data());
+            screen_tail(M - r, s, r, K, qh, dh, norms + h * 16, hi.data() + r * halves + h, halves, lo.data());
+        }
+#pragma omp critical
+        for (long r = 0; r < M; r++) floor[r] = fmaxf(floor[r], _mm512_reduce_max_ps(_mm512_loadu_ps(lo.data() + r * 16)));
+    }
+    int ok = 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long r = 0; r < M; r++) {
+        const float* xr = x + r * K;
+        std::vector<float> xsum(groups);  // as gemm's factored path sums them
+        for (long g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (long k = g * kGroup; k < (g + 1) * kGroup; k++) sum += xr[k];
+            xsum[g] = sum;
+        }
+        float best = -INFINITY;
+        long best_id = -1;
+        alignas(64) float y[kTile];
+        for (long t = 0; t < tiles && best_id != -2; t++) {
+            if (hi[r * halves + 2 * t] < floor[r] && hi[r * halves + 2 * t + 1] < floor[r]) continue;
+            rows_times_tile<1, 8>(xr, xsum.data(), K, (const uint8_t*)q + t * K * kTile, d + t * groups * kTile,
+                                  m + t * groups * kTile, y, kTile);
+            for (long c = 0; c < kTile; c++) {
+                if (isnan(y[c])) { best_id = -2; break; }
+                if (y[c] > best || best_id == -1) best = y[c], best_id = t * kTile + c;
+            }
+        }
+        if (best_id < 0) __atomic_store_n(&ok, 0, __ATOMIC_RELAXED);
+        ids[r] = best_id;
+    }
+    return ok;
+}
+
+}  // namespace
+#endif
+
 extern "C" {
 
 // y[M, N] = x[M, K] @ w^T for the tiled group weight w (N, K multiples of 32, K <= kMaxK), q of `bits` 8 or 4.
@@ -343,6 +520,28 @@ int group_int8_encode(const float* w, long N, long K, int8_t* q, float* d, float
         }
     }
     return ok;
+}
+
+// Whether this build has the screened argmax (AVX-512 with VNNI).
+int group_int8_argmax_available() {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// ids[M] = the first argmax of each row of x[M, K] @ w^T, for an 8-bit tiled weight with m = 0 and
+// norms[N] its rows' L2 norms rounded up (see screened_argmax). 0 where it cannot answer (x or a
+// logit not finite, or no VNNI in this build): the caller then takes every logit.
+int group_int8_argmax(const float* x, long M, long K, const void* q, const uint16_t* d, const uint16_t* m,
+                      const float* norms, long N, int64_t* ids, int threads) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    return M > 0 ? screened_argmax(x, M, K, q, d, m, norms, N, ids, threads) : 1;
+#else
+    (void)x, (void)M, (void)K, (void)q, (void)d, (void)m, (void)norms, (void)N, (void)ids, (void)threads;
+    return 0;
+#endif
 }
 
 }  // extern "C"

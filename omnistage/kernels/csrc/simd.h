@@ -44,9 +44,6 @@ inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
 inline unsigned ge(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 inline unsigned le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
 inline unsigned eq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
-inline vf from_int8(const int8_t* p) {  // 16 int8 to fp32 (exact)
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
 inline void store_int32(int32_t* p, vf a) {  // a's lanes rounded to integers (p 64-byte aligned)
     _mm512_store_si512((__m512i*)p, _mm512_cvtps_epi32(a));
 }
@@ -55,8 +52,13 @@ inline vf from_fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si2
 using vi = __m512i;
 inline vi load_int32(const uint32_t* p) { return _mm512_loadu_si512((const void*)p); }
 inline vi and_int32(vi a, uint32_t mask) { return _mm512_and_si512(a, _mm512_set1_epi32((int)mask)); }
+inline vi xor_int32(vi a, uint32_t mask) { return _mm512_xor_si512(a, _mm512_set1_epi32((int)mask)); }
 template <int N>
 inline vi shift_right(vi a) { return _mm512_srli_epi32(a, N); }  // logical
+template <int N>
+inline vi shift_right_arith(vi a) { return _mm512_srai_epi32(a, N); }  // sign-extending
+template <int N>
+inline vi shift_left(vi a) { return _mm512_slli_epi32(a, N); }
 inline vf to_float(vi a) { return _mm512_cvtepi32_ps(a); }      // signed int32 lanes
 
 #else  // AVX2 + FMA + F16C
@@ -143,10 +145,6 @@ inline unsigned compare(vf a, vf b) {
 inline unsigned ge(vf a, vf b) { return compare<_CMP_GE_OQ>(a, b); }
 inline unsigned le(vf a, vf b) { return compare<_CMP_LE_OQ>(a, b); }
 inline unsigned eq(vf a, vf b) { return compare<_CMP_EQ_OQ>(a, b); }
-inline vf from_int8(const int8_t* p) {
-    const __m128i q = _mm_loadu_si128((const __m128i*)p);
-    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
-}
 inline void store_int32(int32_t* p, vf a) {
     _mm256_store_si256((__m256i*)p, _mm256_cvtps_epi32(a.lo));
     _mm256_store_si256((__m256i*)(p + 8), _mm256_cvtps_epi32(a.hi));
@@ -164,8 +162,16 @@ inline vi and_int32(vi a, uint32_t mask) {
     const __m256i m = _mm256_set1_epi32((int)mask);
     return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
 }
+inline vi xor_int32(vi a, uint32_t mask) {
+    const __m256i m = _mm256_set1_epi32((int)mask);
+    return {_mm256_xor_si256(a.lo, m), _mm256_xor_si256(a.hi, m)};
+}
 template <int N>
 inline vi shift_right(vi a) { return {_mm256_srli_epi32(a.lo, N), _mm256_srli_epi32(a.hi, N)}; }
+template <int N>
+inline vi shift_right_arith(vi a) { return {_mm256_srai_epi32(a.lo, N), _mm256_srai_epi32(a.hi, N)}; }
+template <int N>
+inline vi shift_left(vi a) { return {_mm256_slli_epi32(a.lo, N), _mm256_slli_epi32(a.hi, N)}; }
 inline vf to_float(vi a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 
 #endif
