@@ -42,6 +42,7 @@ from omnistage.attention.paged_attention import (
 )
 from omnistage.kernels.group_int8 import quantize_q8_0
 from omnistage.models.fast_forward import (
+    LeanLayer,
     PackedLinear,
     layer_forward,
     lean_layer,
@@ -80,6 +81,15 @@ def _layer_classes(model_type: str) -> tuple[type, type]:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class LeanHead:
+    """What a head runs when it runs lean: ``fc`` and the layer in the lean decoder's form."""
+
+    fc: PackedLinear
+    layer: LeanLayer
+    native: bool  # the elementwise steps as native calls (fp32 on CPU with the kernels)
+
+
 class EagleHead(torch.nn.Module):
     """``fc`` + one decoder layer; ``forward`` returns the layer's output ``[T, hidden]``
     (fed to the target's LM head for logits, and back in as the next draft step's hidden state)."""
@@ -103,7 +113,7 @@ class EagleHead(torch.nn.Module):
             getattr(config, "head_dim", None) or config.hidden_size // heads
         )
         self.hidden_size = int(config.hidden_size)
-        self.lean = None  # set by make_lean() once the weights have their device and dtype
+        self.lean: LeanHead | None = None  # set by make_lean() once the weights have their device and dtype
 
     def make_lean(self, int8: bool = False) -> None:
         """Run the layer (and ``fc``) the lean way where it can: fp32 or bf16, no sliding window.
@@ -129,7 +139,7 @@ class EagleHead(torch.nn.Module):
                 layer, qkv=_q8_0(layer.qkv, qkv), o=_q8_0(layer.o, o), gate_up=_q8_0(layer.gate_up, gate_up),
                 down=_q8_0(layer.down, down),
             )  # fmt: skip
-        self.lean = (fc, layer, native)
+        self.lean = LeanHead(fc, layer, native)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,11 +155,10 @@ class EagleHead(torch.nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         x = torch.cat((inputs_embeds.to(self.dtype), target_hidden.to(self.dtype)), dim=-1)
-        if self.lean is not None:
-            fc, layer, native = self.lean
-            h = fc(x)
+        if (lean := self.lean) is not None:
+            h = lean.fc(x)
             cos, sin = rope_tables(self.rotary, h, positions, self.head_dim)
-            return layer_forward(layer, h, cos, sin, kv_caches[0], attn_metadata, native)
+            return layer_forward(lean.layer, h, cos, sin, kv_caches[0], attn_metadata, lean.native)
         h = self.fc(x)[None]
         position_ids = positions[None]
         with attention_context(attn_metadata, kv_caches):

@@ -59,8 +59,8 @@ oneDNN copy of the gate/up and LM-head weights (fp32) or of all (bf16).
 Only the exact HF classes listed in :data:`LEAN_MODEL_CLASSES` qualify
 (checked per layer); anything else keeps the HF modeling path.
 
-One layer's forward (:func:`layer_forward`, over a :class:`_Layer` built by
-:meth:`_Layer.from_hf`) serves the decoder stack's steps that do not take
+One layer's forward (:func:`layer_forward`, over a :class:`LeanLayer` built by
+:meth:`LeanLayer.from_hf`) serves the decoder stack's steps that do not take
 the one native call, and an EAGLE head's single layer
 (:func:`lean_layer`, :mod:`omnistage.models.eagle_head`).
 """
@@ -175,7 +175,9 @@ def prepack_enabled(weights: Sequence[torch.Tensor]) -> bool:
 
 
 @dataclass
-class _Layer:
+class LeanLayer:
+    """One decoder layer as :func:`layer_forward` runs it: fused linears, norm weights, head shape."""
+
     in_norm: torch.Tensor | None  # None: no input norm (an EAGLE-1 head's layer)
     in_eps: float
     qkv: PackedLinear
@@ -194,7 +196,7 @@ class _Layer:
     @classmethod
     def from_hf(
         cls, layer: torch.nn.Module, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear
-    ) -> _Layer:
+    ) -> LeanLayer:
         """An HF decoder layer's norms and attention settings around the given linears."""
         attn = layer.self_attn
         config = attn.config
@@ -243,13 +245,13 @@ def lean_linear(linears: Sequence[torch.nn.Linear], prepack: bool) -> PackedLine
     return PackedLinear(weight, bias, prepack and prepack_enabled([weight]))
 
 
-def lean_layer(layer: torch.nn.Module, prepack: bool = True) -> _Layer:
+def lean_layer(layer: torch.nn.Module, prepack: bool = True) -> LeanLayer:
     """One HF decoder layer (an EAGLE head's) in the lean form: its linears fused in place
     (no memory added), prepacked as the decoder's are (bf16: all; fp32: gate/up) unless
     ``prepack`` is off (weights about to take another form)."""
     qkv, gate_up, o, down = linear_groups(layer)
     rest = prepack and qkv[0].weight.dtype != torch.float32
-    return _Layer.from_hf(
+    return LeanLayer.from_hf(
         layer, lean_linear(qkv, rest), lean_linear(o, rest), lean_linear(gate_up, prepack), lean_linear(down, rest)
     )
 
@@ -280,7 +282,7 @@ def rope_tables(
 
 
 def layer_forward(
-    layer: _Layer,
+    layer: LeanLayer,
     h: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -406,7 +408,7 @@ class LeanDecoder:
         self.rotary = base.rotary_emb
         self.final_norm = base.norm.weight
         self.final_eps = float(base.norm.variance_epsilon)
-        self.layers: list[_Layer] = []
+        self.layers: list[LeanLayer] = []
         cpu = self.embed.weight.device.type == "cpu"
         transpose = _transposes(self.embed.weight)
         lm_head = hf_model.get_output_embeddings()
@@ -450,7 +452,7 @@ class LeanDecoder:
         self.argmax_norms = argmax_screen_norms(head) if head is not None else None
         for layer, (qkv, gate_up, o, down) in zip(base.layers, fused):
             self.layers.append(
-                _Layer.from_hf(
+                LeanLayer.from_hf(
                     layer, linear(qkv, pack_rest), linear(o, pack_rest), linear(gate_up, self.prepack),
                     linear(down, pack_rest),
                 )

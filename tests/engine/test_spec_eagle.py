@@ -298,8 +298,9 @@ def test_embedded_default_model_with_a_random_head(tmp_path):
         max_num_batched_tokens=8,
         speculative_config=_eagle(head),
     )
-    fc, layer, _ = on.runner.proposer.head.lean
-    assert all(lin.int8 is not None for lin in (fc, layer.qkv, layer.o, layer.gate_up, layer.down))
+    lean = on.runner.proposer.head.lean
+    layer = lean.layer
+    assert all(lin.int8 is not None for lin in (lean.fc, layer.qkv, layer.o, layer.gate_up, layer.down))
     assert on.runner.proposer.head.fc.weight.untyped_storage().nbytes() == 4  # the fp32 copy released
     assert _tokens(run_all(on, prompts, params)) == ref
     assert on.get_stats().num_draft_tokens > 0
