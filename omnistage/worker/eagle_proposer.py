@@ -82,7 +82,7 @@ class _HeadStep:
     seq_lens: np.ndarray
     query_start_loc: np.ndarray
     num_tokens: int
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor  # empty: build_attention_metadata reads only its device
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
 
@@ -227,7 +227,6 @@ class EagleProposer:
                 p,
                 np.ones(len(active), dtype=np.int64),
                 table,
-                tokens,
             )
             md = build_attention_metadata(dstep, self.block_size)
             embeds = self.target.embed_input_ids(tokens)
@@ -254,15 +253,8 @@ class EagleProposer:
             segs = [self._kept[r] for r in leaving]
             starts = np.array([k.start for k in segs], dtype=np.int64)
             counts = np.array([k.count for k in segs], dtype=np.int64)
-            pos = np.concatenate([np.arange(k.start, k.start + k.count) for k in segs])
-            next_ids = torch.from_numpy(
-                batch.token_ids_cpu[np.repeat(rows, counts), pos + 1]
-            ).to(self.device)
-            embeds = self.target.embed_input_ids(next_ids)
-            hidden = torch.cat([self._pool[k.slot, : k.count] for k in segs])
-            hstep = self._head_step(
-                leaving, rows, starts, counts, batch.block_table[0], next_ids
-            )
+            pos, embeds, hidden = self._kept_inputs(segs, rows, batch)
+            hstep = self._head_step(leaving, rows, starts, counts, batch.block_table[0])
             md = build_attention_metadata(hstep, self.block_size)
             self.head(
                 embeds,
@@ -334,34 +326,24 @@ class EagleProposer:
         qsl = step.query_start_loc
         kept = [self._kept.get(step.req_ids[i]) for i in run]
         counts = np.array([k.count if k else 0 for k in kept], dtype=np.int64)
-        # Rows of the head's input, in order: an index into [step rows, kept rows].
-        num_kept = int(counts.sum())
-        order, positions, kept_rows, kept_pos = [], [], [], []
-        offset = n
-        for i, k in zip(run, kept):
-            if k is not None:
-                order.append(np.arange(offset, offset + k.count))
-                kept_pos.append(np.arange(k.start, k.start + k.count))
-                kept_rows.append(np.full(k.count, step.rows[i], dtype=np.int64))
-                positions.append(kept_pos[-1])
-                offset += k.count
-            order.append(np.arange(qsl[i], qsl[i + 1]))
-            positions.append(step_pos[qsl[i] : qsl[i + 1]])
-        index = torch.from_numpy(np.concatenate(order)).to(self.device)
-        pos = np.concatenate(positions)
-        hidden_src, embed_src = target_hidden[:n], step_embeds
-        if num_kept:
-            kp = np.concatenate(kept_pos)
-            kept_next = torch.from_numpy(
-                batch.token_ids_cpu[np.concatenate(kept_rows), kp + 1]
-            ).to(self.device)
-            hidden_src = torch.cat(
-                [
-                    hidden_src,
-                    *(self._pool[k.slot, : k.count] for k in kept if k is not None),
-                ]
+        # Rows of the head's input, in order: an index into [step rows, kept rows],
+        # each run request's kept rows before its step rows.
+        order, offset = [], n
+        for i, count in zip(run, counts):
+            order += [np.arange(offset, offset + count), np.arange(qsl[i], qsl[i + 1])]
+            offset += count
+        order = np.concatenate(order)
+        pos_src, hidden_src, embed_src = step_pos, target_hidden[:n], step_embeds
+        if offset > n:
+            held = [j for j, k in enumerate(kept) if k is not None]
+            kept_pos, kept_embeds, kept_hidden = self._kept_inputs(
+                [kept[j] for j in held], step.rows[[run[j] for j in held]], batch
             )
-            embed_src = torch.cat([embed_src, self.target.embed_input_ids(kept_next)])
+            pos_src = np.concatenate([step_pos, kept_pos])
+            hidden_src = torch.cat([hidden_src, kept_hidden])
+            embed_src = torch.cat([embed_src, kept_embeds])
+        pos = pos_src[order]
+        index = torch.from_numpy(order).to(self.device)
         rows = step.rows[run]
         scheduled = step.num_scheduled_tokens[run] + counts
         starts = step.num_computed_tokens[run] - counts
@@ -371,7 +353,6 @@ class EagleProposer:
             starts,
             scheduled,
             batch.block_table[0],
-            index,
         )
         md = build_attention_metadata(hstep, self.block_size)
         out = self.head(
@@ -386,6 +367,19 @@ class EagleProposer:
             if k is not None:
                 self.discard(step.req_ids[i])
         return out, hstep.query_start_loc[1:] - 1
+
+    def _kept_inputs(
+        self, kept: list[_Kept], rows: np.ndarray, batch: InputBatch
+    ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """Windows' positions (each window's in turn), the head's input embeddings for
+        them (each next token's) and the target's hidden rows kept for them."""
+        counts = np.array([k.count for k in kept], dtype=np.int64)
+        pos = np.concatenate([np.arange(k.start, k.start + k.count) for k in kept])
+        next_ids = torch.from_numpy(
+            batch.token_ids_cpu[np.repeat(rows, counts), pos + 1]
+        ).to(self.device)
+        hidden = torch.cat([self._pool[k.slot, : k.count] for k in kept])
+        return pos, self.target.embed_input_ids(next_ids), hidden
 
     def _step_inputs(
         self, step: BatchStep, batch: InputBatch, model_state: Any | None
@@ -423,7 +417,6 @@ class EagleProposer:
         starts: np.ndarray,
         counts: np.ndarray,
         table: Any,
-        input_ids: torch.Tensor,
     ) -> _HeadStep:
         """Positions ``[starts[i], starts[i] + counts[i])`` of each request (batch ``rows``)."""
         r = len(req_ids)
@@ -443,7 +436,7 @@ class EagleProposer:
             seq_lens=seq_lens,
             query_start_loc=qsl,
             num_tokens=int(qsl[-1]),
-            input_ids=input_ids,
+            input_ids=torch.empty(0, dtype=torch.int64, device=self.device),
             slot_mapping=torch.from_numpy(slots).to(self.device),
             block_table=block_table,
         )
