@@ -14,9 +14,15 @@ import threading
 
 from omnistage import envs
 
-__all__ = ["RAY_NAMESPACE", "connect_ray"]
+__all__ = ["RAY_NAMESPACE", "actor_resources", "connect_ray"]
 
 RAY_NAMESPACE = "omnistage"
+
+
+def actor_resources(device: str) -> dict[str, int]:
+    """What an actor running a model on ``device`` reserves: a GPU for ``cuda``/``cuda:N``
+    (Ray then sets its ``CUDA_VISIBLE_DEVICES``), else one CPU."""
+    return {"num_gpus": 1} if device.startswith("cuda") else {"num_cpus": 1}
 
 
 def _init() -> None:

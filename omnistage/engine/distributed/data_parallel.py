@@ -40,7 +40,7 @@ from omnistage.engine.input_processor import ProcessedInputs, PromptType
 from omnistage.engine.stage import StageHeld
 from omnistage.engine.stage_engine import EngineStats
 from omnistage.outputs import RequestOutput
-from omnistage.ray_cluster import connect_ray
+from omnistage.ray_cluster import actor_resources, connect_ray
 from omnistage.sampling_params import SamplingParams
 
 __all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaLoad"]
@@ -123,7 +123,7 @@ class DataParallelEngine:
         self._requests: dict[str, _Routed] = {}
         self._failed: list[RequestOutput] = []  # outputs of requests a dead replica took with it
         n = args.data_parallel_size
-        resources = actor_options or ({"num_gpus": 1} if args.device.startswith("cuda") else {"num_cpus": 1})
+        resources = actor_options or actor_resources(args.device)
         _warn_if_unplaceable(resources, n)
         actor_cls = ray.remote(EngineReplica).options(**resources, max_restarts=0, max_concurrency=1)
         self._replicas = [_Replica(i, actor_cls.remote(args, options)) for i in range(n)]

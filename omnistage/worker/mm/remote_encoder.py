@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
-from omnistage.ray_cluster import RAY_NAMESPACE, connect_ray
+from omnistage.ray_cluster import RAY_NAMESPACE, actor_resources, connect_ray
 from omnistage.worker.mm.encoder_worker import (
     EncodeItem,
     EncoderWorker,
@@ -133,7 +133,7 @@ class RemoteEncoderPool:
 
     def _spawn(self, worker: _Worker) -> None:
         ray = self._ray
-        resources = {"num_gpus": 1} if self.device.startswith("cuda") else {"num_cpus": 1}
+        resources = actor_resources(self.device)
         actor = ray.remote(EncoderWorker).options(
             name=worker.name,
             namespace=RAY_NAMESPACE,
