@@ -564,16 +564,15 @@ class LeanDecoder:
     ) -> torch.Tensor:
         h = self.embed_ids(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rope_tables(h, positions)
-        views = continuing_decode_views(kv_caches, md) if self.native_layers is not None else None
-        if views is not None and kv_caches[0].dtype == torch.float32:
+        continued = continuing_decode_views(kv_caches, md) if self.native_layers is not None else None
+        if continued is not None and kv_caches[0].dtype == torch.float32:
             # A decode or verify step: all layers in one native call, the same kernels in the same order.
             h = h.clone() if inputs_embeds is not None else h.contiguous()  # updated in place
-            index = md.dense_index(views[0].keys.shape[2])
-            dense = [(view.keys, view.values) for view in views]
+            dense = [(view.keys, view.values) for view in continued.views]
             self.native_layers.run(
-                h, cos, sin, kv_caches, dense, md.write_slots, index, md.token_kv_lens, md.token_rows
+                h, cos, sin, kv_caches, dense, md.write_slots, continued.index, md.token_kv_lens, continued.token_rows
             )
-            continued_decode_views(views, md)
+            continued_decode_views(continued)
             return native_rms_norm(h, self.final_norm, self.final_eps)
         for layer, cache in zip(self.layers, kv_caches):
             h = layer_forward(layer, h, cos, sin, cache, md, self.native_ops)

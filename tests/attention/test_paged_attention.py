@@ -394,3 +394,16 @@ def test_step_rows_follow_a_step_they_continue():
     assert not StepRows(("a", "b"), (14, 21), (15, 22)).follows(prev)  # a skipped a token
     assert not StepRows(("b", "a"), (21, 13), (22, 14)).follows(prev)  # other rows
     assert not StepRows(("a", "b"), (13, 21), (14, 22)).follows(None)
+
+
+def test_a_step_of_some_of_the_previous_rows_continues_in_their_rows():
+    prev = StepRows(("a", "b", "c"), (10, 20, 30), (11, 21, 31))
+    step = StepRows(("c", "a"), (31, 11), (32, 12))  # b left; the others advanced
+    assert step.rows_in(prev).tolist() == [2, 0] and not step.follows(prev)
+    after = prev.advanced(step.rows_in(prev), step)
+    assert after == StepRows(("a", "b", "c"), (11, 20, 31), (12, 21, 32))  # b's row as it was
+    assert StepRows(("a",), (12,), (13,)).rows_in(after).tolist() == [0]
+    assert StepRows(("a", "d"), (11, 5), (12, 6)).rows_in(prev) is None  # d has no row
+    assert StepRows(("a",), (10,), (11,)).rows_in(prev) is None  # a did not advance
+    assert StepRows(("a",), (12,), (13,)).rows_in(prev) is None  # a skipped a token: its row lacks it
+

@@ -24,9 +24,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
 
 
 def _decode_outputs(
-    loaded, monkeypatch, batch: int, spec: dict | None = None
+    loaded, monkeypatch, batch: int, spec: dict | None = None, lengths: tuple[int, ...] | None = None
 ) -> tuple[list[torch.Tensor], list[list[int]], list[torch.Tensor]]:
-    """The lean decoder's output at every step, the generated tokens and the KV caches after."""
+    """The lean decoder's output at every step, the generated tokens and the KV caches after
+    (``lengths``: each request's number of new tokens)."""
     seen: list[torch.Tensor] = []
     forward = LeanDecoder.forward
 
@@ -39,9 +40,9 @@ def _decode_outputs(
     engine = LLMEngine(EngineArgs(model=loaded.model_path, block_size=4, speculative_config=spec), loaded_model=loaded)
     # Speculating: long enough for the random model's output to repeat a token, which the
     # n-gram proposer drafts from.
-    params = SamplingParams(temperature=0.0, max_tokens=40 if spec else 12, ignore_eos=True)
+    lengths = lengths or (40 if spec else 12,) * batch
     for i, prompt in enumerate((PROMPTS * 3)[:batch]):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True))
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
@@ -73,6 +74,26 @@ def test_one_call_equals_the_layer_by_layer_sequence(arch, batch, spec, tmp_path
     assert len(fused) == len(plain)
     assert all(torch.equal(a, b) for a, b in zip(fused, plain))
     # The paged cache too (a later step that leaves the dense view, or a prefix hit, reads it).
+    assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv))
+
+
+def test_requests_that_leave_do_not_stop_the_one_call_path(tmp_path, monkeypatch):
+    """Requests finishing at different steps: the others go on in their dense-view rows, so no
+    step after one leaves gathers the whole context again; bit for bit the layer-by-layer path."""
+    loaded = load_model(str(write_tiny_checkpoint("llama", tmp_path, gguf_weights=True, head_dim=32)))
+    lean = loaded.model.lean
+    native = lean.native_layers
+    calls = []
+    run = native.run
+    monkeypatch.setattr(native, "run", lambda h, *a: calls.append(h.shape[0]) or run(h, *a))
+    lengths = (4, 8, 12)  # decode steps 1-3, 1-7 and 1-11 (the prefill step samples the first token)
+    fused, fused_tokens, fused_kv = _decode_outputs(loaded, monkeypatch, 3, lengths=lengths)
+    # Steps 1 and 2 gather and build the views; every later one is a single call, after each leave too.
+    assert calls == [3] + [2] * 4 + [1] * 4
+    lean.native_layers = None
+    plain, plain_tokens, plain_kv = _decode_outputs(loaded, monkeypatch, 3, lengths=lengths)
+    assert fused_tokens == plain_tokens and [len(t) for t in plain_tokens] == list(lengths)
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))
     assert all(torch.equal(a, b) for a, b in zip(fused_kv, plain_kv))
 
 
