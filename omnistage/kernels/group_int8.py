@@ -25,6 +25,7 @@ exactly (see its docstring).
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -177,17 +178,20 @@ def quantize_q8_0(weight: torch.Tensor) -> GroupInt8Weight | None:
     return encode_group_int8((q * d16).reshape(weight.shape))
 
 
-def group_int8_matmul(x: torch.Tensor, weight: GroupInt8Weight) -> torch.Tensor:
-    """``x @ w.T`` for fp32 CPU ``x`` ``[M, K]``; ``weight`` from :func:`encode_group_int8`."""
+def _kernel_input(caller: str, x: torch.Tensor, weight: GroupInt8Weight) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The native library and ``x`` as the kernels read it, or ``ValueError`` naming what is wrong."""
     lib = native_kernels()
     assert lib is not None, "a GroupInt8Weight exists only where the native kernels do"
-    k, n = weight.in_features, weight.out_features
+    k = weight.in_features
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or not x.is_cpu:
-        raise ValueError(
-            f"group_int8_matmul: expected fp32 CPU input [rows, {k}], got {x.dtype} {x.device.type} {tuple(x.shape)}"
-        )
-    x = x.contiguous()
-    rows = x.shape[0]
+        raise ValueError(f"{caller}: expected fp32 CPU input [rows, {k}], got {x.dtype} {x.device.type} {tuple(x.shape)}")
+    return lib, x.contiguous()
+
+
+def group_int8_matmul(x: torch.Tensor, weight: GroupInt8Weight) -> torch.Tensor:
+    """``x @ w.T`` for fp32 CPU ``x`` ``[M, K]``; ``weight`` from :func:`encode_group_int8`."""
+    lib, x = _kernel_input("group_int8_matmul", x, weight)
+    k, n, rows = weight.in_features, weight.out_features, x.shape[0]
     out = torch.empty((rows, n), dtype=torch.float32)
     lib.group_int8_gemm(
         x.data_ptr(), rows, k, weight.q.data_ptr(), weight.bits, weight.d.data_ptr(), weight.m.data_ptr(),
@@ -246,14 +250,8 @@ def group_int8_argmax(x: torch.Tensor, weight: GroupInt8Weight, norms: torch.Ten
     from :func:`argmax_screen_norms`. ``None`` where the screen cannot
     answer (a value that is not finite): take the argmax of the logits.
     """
-    lib = native_kernels()
-    assert lib is not None, "a GroupInt8Weight exists only where the native kernels do"
+    lib, x = _kernel_input("group_int8_argmax", x, weight)
     k, n = weight.in_features, weight.out_features
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or not x.is_cpu:
-        raise ValueError(
-            f"group_int8_argmax: expected fp32 CPU input [rows, {k}], got {x.dtype} {x.device.type} {tuple(x.shape)}"
-        )
-    x = x.contiguous()
     ids = torch.empty(x.shape[0], dtype=torch.int64)
     answered = lib.group_int8_argmax(
         x.data_ptr(), x.shape[0], k, weight.q.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
