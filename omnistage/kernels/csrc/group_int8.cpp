@@ -339,7 +339,7 @@ bool encode_group(const float* w, int8_t* q, long stride, float* d, float* m) {
 //     xq in -127..127), and VNNI's u8 x s8 dot products give every approximate logit
 //     a_n = x~ . w_n at about 2.5x the fp32 kernel's speed.
 //  2. The exact logit z_n lies within c * |w_n| of a_n: |x . w_n - x~ . w_n| <= |x - x~| |w_n|
-//     (Cauchy-Schwarz), and c adds a margin for both sides' fp32 roundings (bound_factor). So a
+//     (Cauchy-Schwarz), and c adds a margin for both sides' fp32 roundings (quantize_rows). So a
 //     column whose upper bound a_n + c |w_n| is below L, the largest lower bound a_n - c |w_n|
 //     over the row, can neither hold the maximum nor tie with it.
 //  3. Only the 32-column tiles with a column reaching L (one to a few per row on real hidden
