@@ -162,9 +162,14 @@ def test_audio_answer_is_the_offline_pipelines(
 
 
 def test_streamed_audio_follows_the_text(
-    client: openai.OpenAI, reference: RequestOutput, served: RequestOutput, monkeypatch: pytest.MonkeyPatch
+    client: openai.OpenAI, reference: RequestOutput, served: RequestOutput, omni_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(serving_chat, "AUDIO_CHUNK_BYTES", 3 * 333)  # several pieces even for short audio
+    # The stream sends the newest output it has: a tiny thinker can finish before the
+    # server reads its first output (it did on a loaded CI machine), so pace its steps.
+    thinker = omni_server[1].state.engine_client.engine.stages["thinker"]
+    real_step = thinker.step
+    monkeypatch.setattr(thinker, "step", lambda: time.sleep(0.02) or real_step())  # the engine thread only
     chunks = list(client.chat.completions.create(**_request(**SPEAK), stream=True))
     choices = [c.choices[0] for c in chunks if c.choices]
     texts = [ch.delta.content for ch in choices if ch.delta.content]
