@@ -82,10 +82,7 @@ class StepRows:
         columns are rewritten before any token reads them."""
         if self._last is not None and self._last[0] is prev:
             return self._last[1]
-        result = (
-            prev is not None and prev.req_ids == self.req_ids
-            and all(p0 < c <= p1 for p0, c, p1 in zip(prev.computed, self.computed, prev.seq_lens))
-        )  # fmt: skip
+        result = prev is not None and prev.req_ids == self.req_ids and self.rows_in(prev) is not None
         object.__setattr__(self, "_last", (prev, result))
         return result
 

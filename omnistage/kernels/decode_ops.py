@@ -37,7 +37,7 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def native_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE of ``x`` ``[T, H, D]`` (``D % 32 == 0``; heads contiguous, any row stride) with the
-    ``[T, 1, D]`` tables of :meth:`LeanDecoder.rope_tables`; contiguous ``[T, H, D]`` out."""
+    ``[T, 1, D]`` tables of :func:`omnistage.models.fast_forward.rope_tables`; contiguous ``[T, H, D]`` out."""
     t, heads, dim = x.shape
     if x.stride()[1:] != (dim, 1) or dim % 32 or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError(f"native_rope: unsupported layout {tuple(x.shape)} strides {x.stride()}")

@@ -463,19 +463,17 @@ class LeanDecoder:
     def _native_layers(self) -> NativeDecodeLayers | None:
         """Every layer in one native call for plain decode steps, where each is made of what
         that call runs: group-int8 linears, no q/k norm, a head size the kernels take."""
-        if not self.native_ops or self.head_dim not in (32, 64, 128):
+        if not self.native_ops or self.head_dim not in (32, 64, 128) or not self.group_int8:
             return None
-        weights = []
-        for layer in self.layers:
-            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if layer.qk_norm is not None or any(lin.int8 is None for lin in linears):
-                return None
-            weights.append(
-                DecodeLayerWeights(
-                    layer.in_norm.contiguous(), layer.in_eps, layer.post_norm.contiguous(), layer.post_eps,
-                    layer.scaling, *((lin.int8, lin.bias) for lin in linears),
-                )
-            )  # fmt: skip
+        if any(layer.qk_norm is not None for layer in self.layers):
+            return None
+        weights = [
+            DecodeLayerWeights(
+                layer.in_norm.contiguous(), layer.in_eps, layer.post_norm.contiguous(), layer.post_eps, layer.scaling,
+                *((lin.int8, lin.bias) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+            )
+            for layer in self.layers
+        ]  # fmt: skip
         first = self.layers[0]
         return NativeDecodeLayers(weights, first.num_heads, first.num_kv_heads, self.head_dim)
 
@@ -550,10 +548,6 @@ class LeanDecoder:
             return group_int8_rows(self.embed_int8, input_ids)
         return self.embed(input_ids)
 
-    def rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's RoPE tables for ``positions`` (:func:`rope_tables`)."""
-        return rope_tables(self.rotary, hidden, positions, self.head_dim)
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -563,7 +557,7 @@ class LeanDecoder:
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.embed_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rope_tables(h, positions)
+        cos, sin = rope_tables(self.rotary, h, positions, self.head_dim)
         continued = continuing_decode_views(kv_caches, md) if self.native_layers is not None else None
         if continued is not None and kv_caches[0].dtype == torch.float32:
             # A decode or verify step: all layers in one native call, the same kernels in the same order.

@@ -134,6 +134,7 @@ class EagleProposer:
         )
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._kept: dict[str, _Kept] = {}
+        self._no_ids = torch.empty(0, dtype=torch.int64, device=device)  # a head step's input_ids (see _HeadStep)
         self.num_head_tokens = (
             0  # positions run through the head (catch-ups included), for tests
         )
@@ -436,7 +437,7 @@ class EagleProposer:
             seq_lens=seq_lens,
             query_start_loc=qsl,
             num_tokens=int(qsl[-1]),
-            input_ids=torch.empty(0, dtype=torch.int64, device=self.device),
+            input_ids=self._no_ids,
             slot_mapping=torch.from_numpy(slots).to(self.device),
             block_table=block_table,
         )

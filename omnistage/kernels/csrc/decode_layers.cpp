@@ -67,7 +67,7 @@ struct DecodeLayer {
 };
 
 // h [R, hidden] (R tokens, updated in place) through `num_layers` layers. cos/sin [R, D]
-// (sign-folded, see LeanDecoder.rope_tables); slots [R] the tokens' cache slots, dense_idx [R]
+// (sign-folded, see fast_forward.rope_tables); slots [R] the tokens' cache slots, dense_idx [R]
 // their columns in the flattened [rows * capacity] view, kv_rows [R] their sequences' view rows
 // (null: token r is row r, a decode step), seq_lens [R] the keys each token reads (its position + 1).
 void decode_layers(const DecodeLayer* layers, long num_layers, float* h, long R, long hidden, long H, long Hkv,
