@@ -28,7 +28,9 @@ Model (plain arithmetic, deterministic given the cost curve):
 Acceptance is measured in the shadow (``shadow`` / ``observe_tokens``):
 each proposal, whole, whether none, some or all of it is verified, is
 compared with the tokens the target then emits, one by one (one proposal
-at a time per request). For greedy requests that is exactly what
+at a time per request), each match counted as it is seen, so a request
+that starts copying drafts a few tokens later, not a whole proposal's
+length of one-token steps later. For greedy requests that is exactly what
 verification keeps; for sampled ones it has the same expectation (a draft
 ``d`` is kept with probability ``p(d)``, and the sampled token is ``d``
 with probability ``p(d)``). So a request that stopped drafting notices at
@@ -225,23 +227,36 @@ class DraftPolicy:
         """Score ``proposal`` (not verified) against the tokens that follow, unless one is pending."""
         if not state.shadow and proposal:
             state.shadow, state.shadow_matched = list(proposal), 0
+            self._decay(state)  # the run's evidence counts as it comes in (``observe_tokens``)
 
     def observe_tokens(self, state: DraftState, tokens: list[int]) -> None:
-        """Tokens the request just emitted (after its verified drafts, if any): they score the shadow."""
+        """Tokens the request just emitted (after its verified drafts, if any): they score the shadow.
+
+        Each matching token counts as a kept draft at once, not when the run ends:
+        a request that starts copying is priced up a token at a time, so it drafts
+        a few steps after its first match instead of after a whole proposal's
+        length of one-token steps."""
         if not state.shadow:
             return
         for t in tokens:
             if t != state.shadow[state.shadow_matched]:
-                self._record(state, state.shadow_matched, True)
-                state.shadow = []
-                return
+                state.rejected += 1.0
+                break
             state.shadow_matched += 1
+            state.accepted += 1.0
             if state.shadow_matched == len(state.shadow):
-                self._record(state, state.shadow_matched, False)
-                state.shadow = []
-                return
+                break
+        else:
+            return
+        state.shadow = []
+        state.num_runs += 1
 
     def _record(self, state: DraftState, kept: int, rejected: bool) -> None:
-        state.accepted = state.accepted * self.decay + kept
-        state.rejected = state.rejected * self.decay + (1.0 if rejected else 0.0)
+        self._decay(state)
+        state.accepted += kept
+        state.rejected += 1.0 if rejected else 0.0
         state.num_runs += 1
+
+    def _decay(self, state: DraftState) -> None:
+        state.accepted *= self.decay
+        state.rejected *= self.decay

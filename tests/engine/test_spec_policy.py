@@ -72,6 +72,9 @@ def test_shadow_scores_a_proposal_against_the_tokens_that_follow():
     policy.observe_tokens(state, [5])
     policy.observe_tokens(state, [6])
     assert state.shadow == [5, 6, 7] and state.num_runs == 0
+    # Each match counts at once (the prior decayed when the proposal was taken): the
+    # estimate rises while the run is still being scored.
+    assert (state.accepted, state.rejected) == (2.0, 1.0 * policy.decay)
     policy.observe_tokens(state, [8])  # mismatch at the third: 2 kept, one rejection
     assert state.shadow == [] and state.num_runs == 1
     assert (state.accepted, state.rejected) == (2.0, 1.0 * policy.decay + 1.0)
