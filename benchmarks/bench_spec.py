@@ -12,7 +12,11 @@ both emit the same tokens, which is checked):
    own words), that request decodes a token a step either way, and every
    draft its neighbours verify lengthens its steps. So each copy task is
    also run alone at batch 8 (``copy:<task>``, no target), to show which
-   tasks copy and how far a batch that copies throughout goes;
+   tasks copy and how far a batch that copies throughout goes. Beside each
+   prompt-lookup row, its ceiling: the speed-up of a draft policy that knew
+   the future (each step verifies exactly the drafts the model then emits,
+   never a rejected one), modelled with the engine's own step costs on the
+   same outputs (``ceiling``);
 2. open-ended chat prompts at batch 1 and 8 (target 0.97x: never a slowdown),
    with ``ngram`` and with ``eagle`` and a random head (written here with the
    model's width: it agrees with the model almost never, so the row shows
@@ -52,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+from omnistage.core.spec_decode import propose_ngram
+from omnistage.core.spec_policy import StepCost
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.stage_engine import LLMEngine
 from omnistage.models.loader import load_model
@@ -124,6 +130,32 @@ def run(engine: LLMEngine, prompts: list[dict], params: SamplingParams, tag: str
     end = max(o.metrics.finished_time for o in outs)
     tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     return tokens / max(end - start, 1e-9), outs
+
+
+def ceiling(cost: StepCost, prompts: list[dict], outs: list) -> float:
+    """The most prompt lookup could win on this batch: each step verifies exactly the
+    drafts the model then emits (the ``NGRAM`` proposal cut at its first miss), no
+    rejected one ever, priced by the engine's own step-cost curves; as the modelled
+    time of the speculation-off steps over that of those. Greedy outputs of the
+    speculation-off run, so both step sequences emit the same tokens."""
+    plans = []  # per request: drafts kept at each of its steps
+    for prompt, out in zip(prompts, outs):
+        history, ids, kept, pos = prompt["prompt_token_ids"], out.outputs[0].token_ids, [], 1
+        while pos < len(ids):
+            draft = propose_ngram(
+                history + ids[:pos], NGRAM["num_speculative_tokens"], NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]
+            )
+            n = next((j for j, t in enumerate(draft) if pos + j >= len(ids) or t != ids[pos + j]), len(draft))
+            kept.append(n)
+            pos += n + 1
+        plans.append(kept)
+    lengths = [len(o.outputs[0].token_ids) - 1 for o in outs]
+    plain = sum(cost.decode(sum(n > s for n in lengths)) for s in range(max(lengths)))
+    oracle = 0.0
+    for s in range(max(map(len, plans))):
+        kept = [p[s] for p in plans if len(p) > s]
+        oracle += cost(len(kept) + sum(kept)) if sum(kept) else cost.decode(len(kept))
+    return plain / oracle
 
 
 def verify_cost(engine: LLMEngine, batch: int, steps: int, reps: int) -> list[float]:
@@ -212,7 +244,7 @@ def main() -> None:
     shapes[2:2] = [("ngram", f"copy:{task}", 8) for task in COPY_TASKS]  # what bounds the mixed batch
     for method, kind, batch in shapes:
         tps = {False: [], True: []}
-        ratios, same, drafts, accepted, runs, tokens = [], True, 0, 0, 0, 0
+        ratios, bounds, same, drafts, accepted, runs, tokens = [], [], True, 0, 0, 0, 0
         for r in range(reps):
             prompts = prompts_for(off, kind, batch, r)
             order = (False, True) if r % 2 == 0 else (True, False)
@@ -223,6 +255,8 @@ def main() -> None:
                 tps[spec][-1], got[spec] = run(eng, prompts, params, f"{method}{kind}{batch}-{r}-{int(spec)}")
             ratios.append(tps[True][-1] / tps[False][-1])
             same &= [o.outputs[0].token_ids for o in got[True]] == [o.outputs[0].token_ids for o in got[False]]
+            if method == "ngram":
+                bounds.append(ceiling(on.scheduler.draft_policy.step_cost, prompts, got[False]))
             for o in got[True]:
                 m = o.metrics
                 drafts, accepted, runs = (
@@ -231,7 +265,7 @@ def main() -> None:
                     runs + m.num_drafts,
                 )
                 tokens += len(o.outputs[0].token_ids)
-        rows.append((method, kind, batch, tps, ratios, same, drafts, accepted, runs, tokens))
+        rows.append((method, kind, batch, tps, ratios, bounds, same, drafts, accepted, runs, tokens))
 
     cost_steps, cost_reps = (6, 1) if args.quick else (12, 2)
     costs = {b: verify_cost(on, b, cost_steps, cost_reps) for b in (1, 8)}
@@ -242,19 +276,21 @@ def main() -> None:
           f"eagle-rand (random head) k={eagle_cfg['num_speculative_tokens']}")  # fmt: skip
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-min; {os.cpu_count()} CPUs)")
     head = f"{'method':<11}{'workload':<14}{'batch':>6}{'off tok/s':>11}{'spec tok/s':>13}{'ratio':>8}{'spread':>14}{'target':>8}  ok"
-    print(head + f"{'accept':>8}{'mean len':>9}{'drafted/tok':>12}  same tokens")
-    for method, kind, batch, tps, ratios, same, drafts, accepted, runs, tokens in rows:
+    print(head + f"{'ceiling':>9}{'accept':>8}{'mean len':>9}{'drafted/tok':>12}  same tokens")
+    for method, kind, batch, tps, ratios, bounds, same, drafts, accepted, runs, tokens in rows:
         ratio = statistics.median(ratios)
         target = TARGETS.get((kind, batch))
         verdict = ("-", "") if target is None else (f">={target}", "yes" if ratio >= target else "NO")
         rate = f"{accepted / drafts:.2f}" if drafts else "-"
         mean_len = f"{1 + accepted / runs:.2f}" if runs else "-"
+        bound = f"{statistics.median(bounds):.2f}x" if bounds else "-"
         print(
             f"{method:<11}{kind:<14}{batch:>6}{statistics.median(tps[False]):>11.1f}{statistics.median(tps[True]):>13.1f}"
             f"{ratio:>7.2f}x{f'{min(ratios):.2f}..{max(ratios):.2f}':>14}{verdict[0]:>8}  "
-            f"{verdict[1]:<3}{rate:>8}{mean_len:>9}{drafts / max(tokens, 1):>12.2f}  {same}"
+            f"{verdict[1]:<3}{bound:>9}{rate:>8}{mean_len:>9}{drafts / max(tokens, 1):>12.2f}  {same}"
         )
     print("copy:<task>: eight requests of that one copy task (no target; they show what bounds the mixed batch)")
+    print("ceiling: modelled speed-up if every step verified exactly the drafts the model then emits (median)")
     print("accept = accepted / verified drafts; mean len = tokens emitted per verify run (1 + accepted / runs)")
     print("\nverify cost: step time with k drafts / a one-token decode step (medians), and what the")
     print("engine measured for the same steps when it started (worker/step_costs.py; its draft policy's prices)")
