@@ -239,17 +239,13 @@ class DraftPolicy:
         if not state.shadow:
             return
         for t in tokens:
-            if t != state.shadow[state.shadow_matched]:
-                state.rejected += 1.0
-                break
-            state.shadow_matched += 1
-            state.accepted += 1.0
-            if state.shadow_matched == len(state.shadow):
-                break
-        else:
-            return
-        state.shadow = []
-        state.num_runs += 1
+            matched = t == state.shadow[state.shadow_matched]
+            state.accepted += matched
+            state.rejected += not matched
+            state.shadow_matched += matched
+            if not matched or state.shadow_matched == len(state.shadow):  # the run is over
+                state.shadow, state.num_runs = [], state.num_runs + 1
+                return
 
     def _record(self, state: DraftState, kept: int, rejected: bool) -> None:
         self._decay(state)
