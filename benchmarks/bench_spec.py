@@ -154,7 +154,7 @@ def ceiling(cost: StepCost, prompts: list[dict], outs: list) -> float:
     oracle = 0.0
     for s in range(max(map(len, plans))):
         kept = [p[s] for p in plans if len(p) > s]
-        oracle += cost(len(kept) + sum(kept)) if sum(kept) else cost.decode(len(kept))
+        oracle += cost.verify(len(kept), sum(kept))
     return plain / oracle
 
 
@@ -299,7 +299,7 @@ def main() -> None:
     for b, t in costs.items():
         rel = [t[k] / t[0] for k in range(1, 9)]
         print(f"{b:<7}{'here':<9}" + "".join(f"{r:>7.2f}" for r in rel) + f"{t[0] * 1000:>11.1f}")
-        est = [cost(b * (1 + k)) / cost.decode(b) for k in range(1, 9)]
+        est = [cost.verify(b, b * k) / cost.decode(b) for k in range(1, 9)]
         print(f"{'':<7}{'engine':<9}" + "".join(f"{r:>7.2f}" for r in est))
 
 if __name__ == "__main__":

@@ -11,18 +11,19 @@ Model (plain arithmetic, deterministic given the cost curve):
   expected tokens. ``a`` is estimated per request from decayed counts of
   kept drafts and of rejections (a run whose drafts were all kept shows no
   rejection: it was cut by ``k``, not by the model).
-- Cost: ``StepCost``, the time of a step over ``T`` tokens relative to a
-  one-token decode step, piecewise linear through measured points, with
-  its own curve for plain decode steps. A speculating engine measures
-  both on its machine when it starts (``worker/step_costs.py``; the
-  scheduler itself never times anything); the built-in default is the
-  embedded model's on an AVX-512 CPU, where a step of 3+ tokens costs
-  about three decode steps.
+- Cost: ``StepCost``, relative to a one-token decode step: plain decode
+  steps by their row count, and what drafts add to a step by how many
+  rows it has (at one row the kernels' small-row paths make the first
+  drafts dear; at eight a draft adds about a seventh of the 8-row step,
+  and never less than nothing). A speculating engine measures both on its
+  machine when it starts (``worker/step_costs.py``; the scheduler itself
+  never times anything); the built-in default is the embedded model's on
+  an AVX-512 CPU.
 - Each step the ``B`` decoding requests' draft values ``a_i**j`` are
   sorted, and the step drafts the ``m`` best of them for the ``m`` that
   maximizes expected tokens per unit time ``(B + sum of the m values) /
-  cost(B + m)``; no drafts unless that beats plain decoding,
-  ``B / cost.decode(B)``, by ``min_gain``. So a low-acceptance request stops drafting, a copying one
+  verify(B, m)``; no drafts unless that beats plain decoding,
+  ``B / decode(B)``, by ``min_gain``. So a low-acceptance request stops drafting, a copying one
   drafts up to ``k``, and at a larger batch drafts must be better to pay.
 
 Acceptance is measured in the shadow (``shadow`` / ``observe_tokens``):
@@ -43,7 +44,9 @@ not free to watch: ``observe`` takes each verified run, and a request the
 allocation leaves at zero drafts is probed (``drafter_drafts``): one
 full-``k`` proposal first, then a one-draft one after 8, 16, ... up to 64
 idle sampling steps (exponential back-off, reset once the allocation
-drafts again), so a request whose text turns predictable is noticed. A
+drafts again), so a request whose text turns predictable is noticed; a
+probe kept whole is followed at once by a full-``k`` one, so an agreeing
+head reaches the allocation's bar in a few steps, not after idle gaps. A
 probe's proposal is scored in the shadow, like a prompt-lookup proposal,
 never verified: it costs the head's passes but no verify step (on a 2-core
 CPU a batch-8 step with one draft per row costs 1.5x a decode step, with
@@ -53,18 +56,22 @@ at most.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-# (tokens in the step, its time / a one-token decode step's), measured by
-# benchmarks/bench_spec.py on the embedded default model (CPU, fp32, lean
-# decoder, native int8 kernels, a loaded 2-core machine, so rounded): at
-# batch 1, 2 rows stay on the kernels' small-row paths and 3+ rows cost
-# about 2-3 decode steps; from T = 9 on, the slope keeps the ratios a batch
-# of 8 measured (8 drafts 1.47x its decode step, 64 drafts 4.1x). Only
-# ratios cost(B + m) / cost(B) matter. Overridable per engine (``DraftPolicy(step_cost=...)``).
-DEFAULT_STEP_COST_POINTS = ((1, 1.0), (2, 1.3), (3, 2.2), (9, 3.3), (16, 4.8), (72, 13.3))
+# A step's time / a one-token decode step's, measured by benchmarks/bench_spec.py
+# on the embedded default model (CPU, fp32, lean decoder, native int8 kernels,
+# 2 cores, rounded). Verify steps, for steps of 1 row and of 8 rows: (tokens
+# in the step, time); at 1 row 8 drafts cost about 3.3 decode steps, at 8 rows
+# 8 drafts (one a row) 1.45x the 8-row decode step and 32 drafts 2.7x. Plain
+# decode steps: (rows, time). Only ratios matter. Overridable per engine
+# (``DraftPolicy(step_cost=...)``).
+DEFAULT_VERIFY_COSTS = {
+    1: ((1, 1.0), (2, 1.3), (3, 1.65), (4, 2.0), (6, 2.45), (9, 3.25)),
+    8: ((8, 3.4), (16, 4.9), (24, 6.3), (40, 9.2)),
+}
+DEFAULT_DECODE_COSTS = ((1, 1.0), (2, 1.35), (3, 1.7), (8, 3.4))
 # Drafting must promise this much more tokens per unit time than plain decoding.
 # Set when a verify step still left the decode fast path (the dense KV view was
 # rebuilt after it, which the curve did not see: at 1.05, bench_spec measured
@@ -100,6 +107,7 @@ class DraftState:
     probe_wait: int = 0  # drafter only: idle sampling steps left before the next probe (0: probe now)
     probe_gap: int = PROBE_FIRST_GAP  # drafter only: the idle gap after the next probe
     probing: bool = False  # drafter only: the proposal asked for last is a probe (shadow-scored)
+    probe_full: bool = True  # drafter only: the next probe proposes max_k drafts (else one)
 
     @property
     def acceptance(self) -> float:
@@ -108,41 +116,67 @@ class DraftState:
 
 
 class StepCost:
-    """Relative time of a step over ``T`` tokens: piecewise linear through ``points``
-    (``(T, cost)`` pairs, increasing ``T``), extended linearly past the last one.
+    """Relative time of a step (a one-token decode step is 1).
 
-    ``decode_points``, where given, price the steps that verify nothing (``T``
-    one-token rows) on their own curve: such a step continues the decode fast
-    path that a verify step leaves, so at the same ``T`` it can cost less.
-    Without them both kinds of step share ``points``."""
+    - ``decode(rows)``: a step of ``rows`` one-token rows, piecewise linear
+      through ``decode_points`` (``(rows, cost)``, extended linearly past the
+      last point).
+    - ``verify(rows, drafts)``: the same rows verifying ``drafts`` drafts among
+      them: ``decode(rows)`` plus what the drafts add. That extra is read off
+      curves of steps measured at a few row counts (``verify_curves[R]``:
+      ``(tokens in the step, cost)`` of steps of ``R`` rows, the first point at
+      ``R`` tokens) as ``curve(R + drafts) - curve(R)``, linear in the row count
+      between the measured ones and held past the ends. So a draft is priced by
+      the rows it joins: one step's token count alone would price a draft
+      joining 8 rows off a one-row step of 9 tokens.
+
+    Without ``decode_points``, plain decode steps are priced on the first verify
+    curve (as one-row steps over ``rows`` tokens)."""
 
     def __init__(
-        self, points: Sequence[tuple[int, float]], decode_points: Sequence[tuple[int, float]] | None = None
+        self,
+        verify_curves: Mapping[int, Sequence[tuple[int, float]]],
+        decode_points: Sequence[tuple[int, float]] | None = None,
     ) -> None:
-        self.points = _curve(points)
-        self.decode_points = _curve(decode_points) if decode_points is not None else self.points
-        # Every step asks for the same few token counts: each is interpolated once.
-        self._verify: dict[int, float] = {}
+        if not verify_curves or any(rows < 1 or _curve(c)[0][0] != rows for rows, c in verify_curves.items()):
+            raise ValueError(f"StepCost: each verify curve of R rows must start at R tokens, got {verify_curves}")
+        self.verify_curves = {rows: _curve(verify_curves[rows]) for rows in sorted(verify_curves)}
+        first = next(iter(self.verify_curves.values()))
+        self.decode_points = _curve(decode_points) if decode_points is not None else first
+        # Every step asks for the same few shapes: each is interpolated once.
+        self._verify: dict[tuple[int, int], float] = {}
         self._decode: dict[int, float] = {}
 
     @classmethod
     def linear(cls, token_cost: float) -> StepCost:
         """``(1 + c * T) / (1 + c)``: a fixed cost per step plus ``c`` of it per token."""
-        return cls(((1, 1.0), (2, (1 + 2 * token_cost) / (1 + token_cost))))
+        return cls({1: ((1, 1.0), (2, (1 + 2 * token_cost) / (1 + token_cost)))})
 
-    def __call__(self, num_tokens: int) -> float:
-        """A step of ``num_tokens`` tokens, some of them drafts."""
-        cost = self._verify.get(num_tokens)
+    def decode(self, rows: int) -> float:
+        """A step of ``rows`` one-token decode rows."""
+        cost = self._decode.get(rows)
         if cost is None:
-            cost = self._verify[num_tokens] = _interpolate(self.points, num_tokens)
+            cost = self._decode[rows] = _interpolate(self.decode_points, rows)
         return cost
 
-    def decode(self, num_rows: int) -> float:
-        """A step of ``num_rows`` one-token decode rows."""
-        cost = self._decode.get(num_rows)
+    def verify(self, rows: int, drafts: int) -> float:
+        """A step of ``rows`` rows verifying ``drafts`` drafts among them."""
+        cost = self._verify.get((rows, drafts))
         if cost is None:
-            cost = self._decode[num_rows] = _interpolate(self.decode_points, num_rows)
+            extra = {r: _interpolate(c, r + drafts) - _interpolate(c, r) for r, c in self.verify_curves.items()}
+            cost = self._verify[rows, drafts] = self.decode(rows) + _between(extra, rows)
         return cost
+
+
+def _between(values: dict[int, float], x: int) -> float:
+    """``values`` (sorted keys) read at ``x``: linear between neighbouring keys, held past the ends."""
+    keys = list(values)
+    if x <= keys[0] or len(keys) == 1:
+        return values[keys[0]]
+    for k0, k1 in pairwise(keys):
+        if x <= k1:
+            return values[k0] + (values[k1] - values[k0]) * (x - k0) / (k1 - k0)
+    return values[keys[-1]]
 
 
 def _curve(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -169,7 +203,7 @@ class DraftPolicy:
         min_gain: float | None = None,
     ) -> None:
         self.max_k = max_k
-        self.step_cost = step_cost if step_cost is not None else StepCost(DEFAULT_STEP_COST_POINTS)
+        self.step_cost = step_cost if step_cost is not None else StepCost(DEFAULT_VERIFY_COSTS, DEFAULT_DECODE_COSTS)
         self.decay = decay
         self.min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
 
@@ -186,7 +220,7 @@ class DraftPolicy:
         tokens = float(num)
         for m, (value, _) in enumerate(values, 1):
             tokens += value
-            rate = tokens / cost(num + m)
+            rate = tokens / cost.verify(num, m)
             if rate > best_rate:
                 best_m, best_rate = m, rate
         out = [0] * num
@@ -212,12 +246,12 @@ class DraftPolicy:
             state.probe_wait = max(state.probe_wait - 1, 0)
             return 0
         state.probing = True
-        first = state.num_runs == 0
         state.probe_wait, state.probe_gap = state.probe_gap, min(2 * state.probe_gap, PROBE_MAX_GAP)
-        # The first proposal is scored at full length; later probes propose one draft (each
-        # further one costs a head step and an LM-head pass), enough to notice agreement and
-        # raise the estimate.
-        return self.max_k if first else 1
+        # The first proposal, and one after a probe kept whole, is scored at full length;
+        # other probes propose one draft (each further one costs a head step and an
+        # LM-head pass), enough to notice agreement and raise the estimate.
+        full, state.probe_full = state.probe_full, False
+        return self.max_k if full else 1
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
         """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept."""
@@ -244,6 +278,8 @@ class DraftPolicy:
             state.rejected += not matched
             state.shadow_matched += matched
             if not matched or state.shadow_matched == len(state.shadow):  # the run is over
+                if matched:  # kept whole: a drafter probes again at once, at full length
+                    state.probe_wait, state.probe_gap, state.probe_full = 0, PROBE_FIRST_GAP, True
                 state.shadow, state.num_runs = [], state.num_runs + 1
                 return
 

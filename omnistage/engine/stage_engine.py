@@ -216,9 +216,10 @@ class StageEngine:
             return
         self.scheduler.draft_policy.step_cost = cost
         logger.info(
-            "speculative decoding: step costs measured in %.2f s (tokens, cost vs a 1-row decode step): "
-            "verify %s, decode %s", time.perf_counter() - start,
-            [(t, round(c, 2)) for t, c in cost.points], [(t, round(c, 2)) for t, c in cost.decode_points],
+            "speculative decoding: step costs measured in %.2f s (cost vs a 1-row decode step): "
+            "verify {rows: (tokens, cost)} %s, decode (rows, cost) %s", time.perf_counter() - start,
+            {rows: [(t, round(c, 2)) for t, c in curve] for rows, curve in cost.verify_curves.items()},
+            [(t, round(c, 2)) for t, c in cost.decode_points],
         )  # fmt: skip
 
     @staticmethod

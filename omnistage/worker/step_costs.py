@@ -19,13 +19,14 @@ measures it once, when it starts (:func:`measure_step_costs`):
   released afterwards, so no step that follows can read what these wrote.
 - **Noise**: a warm-up pass, then ``rounds`` passes over all shapes, in
   alternating order; each shape keeps its fastest step (load only ever adds
-  time).
+  time), and no shape costs more than one with as many rows and tokens per
+  row or more (``_undo_load_spikes``).
 - **Cost**: on the embedded default model at 2 threads, about a second at
   engine start.
 
-The result is a ``StepCost``: two curves of the step's token count, both
-divided by the one-row decode step's time, for plain decode steps and for
-verify steps. Shapes that do not fit (fewer requests or KV blocks than they
+The result is a ``StepCost``, every time divided by the one-row decode
+step's: plain decode steps by row count, and verify steps by token count at
+1 and at 8 rows (what a draft adds depends on the rows it joins). Shapes that do not fit (fewer requests or KV blocks than they
 need) are skipped; where too few fit, the built-in curve stays.
 """
 
@@ -79,13 +80,32 @@ def measure_step_costs(runner, max_drafts: int, rounds: int = 2) -> StepCost | N
     finally:
         for cache in runner.kv_caches:
             release_dense_view(cache)
+    best = _undo_load_spikes(best)
     unit = best[1, 1]
-    # Each shape has its own token count (b * q), so the points only need sorting.
-    decode = sorted((b, t / unit) for (b, q), t in best.items() if q == 1)
-    verify_points = sorted([(1, 1.0), *((b * q, t / unit) for (b, q), t in best.items() if q > 1)])
-    if len(decode) < 2 or len(verify_points) < 2:
+    decode = {b: t / unit for (b, q), t in best.items() if q == 1}
+    # A curve per measured row count, from its plain decode step (b rows, b tokens) on.
+    curves = {
+        b: sorted([(b, decode[b]), *((r * q, t / unit) for (r, q), t in best.items() if r == b and q > 1)])
+        for b in sorted({b for b, q in best if q > 1} & decode.keys())
+    }
+    curves = {b: c for b, c in curves.items() if len(c) >= 2}
+    if len(decode) < 2 or 1 not in curves:
         return None
-    return StepCost(verify_points, decode)
+    return StepCost(curves, sorted(decode.items()))
+
+
+def _undo_load_spikes(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Each shape's time, lowered to that of any shape with as many rows and tokens per
+    row or more that measured faster. A step never costs less for more work, and load
+    only ever adds time, so such a pair means load hit the smaller shape in every round.
+    Left alone, one spike on the 8-row decode step can make a verify step of 8 rows look
+    cheaper than decoding them, so that drafts which are never kept look worth verifying."""
+    out = dict(seconds)
+    for shape in sorted(out, reverse=True):  # larger shapes first: a shape's dominators are settled
+        rows, per_row = shape
+        larger = [t for (b, q), t in out.items() if b >= rows and q >= per_row and (b, q) != shape]
+        out[shape] = min([out[shape], *larger])
+    return out
 
 
 class _StepRunner:

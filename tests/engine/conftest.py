@@ -25,7 +25,8 @@ def always_draft(monkeypatch):
     """For tests of verification, rollback and caching: every n-gram proposal is
     verified at full length (a free verify step for the draft policy, which
     test_spec_policy.py tests on its own)."""
-    monkeypatch.setattr(spec_policy, "DEFAULT_STEP_COST_POINTS", ((1, 1.0), (2, 1.0)))
+    monkeypatch.setattr(spec_policy, "DEFAULT_VERIFY_COSTS", {1: ((1, 1.0), (2, 1.0))})
+    monkeypatch.setattr(spec_policy, "DEFAULT_DECODE_COSTS", ((1, 1.0), (2, 1.0)))
     monkeypatch.setattr(spec_policy, "DEFAULT_MIN_GAIN", 0.0)
 
 

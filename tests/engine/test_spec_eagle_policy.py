@@ -37,6 +37,21 @@ def test_probes_back_off_exponentially_and_reset_when_drafting_pays():
     assert [policy.drafter_drafts(state, 0) for _ in range(PROBE_FIRST_GAP + 1)][-1] == 1
 
 
+def test_a_probe_kept_whole_is_followed_at_once_by_a_full_one():
+    policy, state = DraftPolicy(max_k=K), DraftState()
+    assert policy.drafter_drafts(state, 0) == K and state.probing
+    policy.shadow(state, [7, 8, 9])
+    for t in (7, 8):
+        policy.observe_tokens(state, [t])
+        assert policy.drafter_drafts(state, 0) == 0  # still being scored
+    policy.observe_tokens(state, [9])  # kept whole
+    assert policy.drafter_drafts(state, 0) == K and state.probing  # no idle gap, full length
+    policy.shadow(state, [1, 2, 3])
+    policy.observe_tokens(state, [1, 5])  # cut short: back to one-draft probes after a gap
+    asks = [policy.drafter_drafts(state, 0) for _ in range(PROBE_FIRST_GAP + 1)]
+    assert asks == [0] * PROBE_FIRST_GAP + [1]
+
+
 def test_random_head_is_probed_in_the_shadow_with_identical_outputs(targets, monkeypatch):  # noqa: F811
     loaded, head, _ = targets("llama", "random")
     off = _tokens(run_all(make_engine(loaded), PROMPTS, LONG))

@@ -45,7 +45,7 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
     state = DraftState(accepted=6.0, rejected=4.0)  # a = 0.6
     ks = [linear.num_drafts(state, b) for b in (1, 8, 64)]
     assert ks[0] > ks[1] > ks[2]  # the fixed cost is shared by more decodes: drafts must be better
-    free = DraftPolicy(max_k=4, step_cost=StepCost(((1, 1.0), (2, 1.0))), min_gain=1.0)
+    free = DraftPolicy(max_k=4, step_cost=StepCost({1: ((1, 1.0), (2, 1.0))}), min_gain=1.0)
     assert free.num_drafts(DraftState(accepted=0.01), 16) == 4
     assert DraftPolicy(max_k=4, step_cost=StepCost.linear(100.0)).num_drafts(DraftState(accepted=9.0)) == 0
     # Requests differ: the better one gets the drafts; caps are respected.
@@ -57,11 +57,11 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
         linear.allocate([bad, good, good], [8, 8, 2]) == [0, 8, 2]
         or linear.allocate([bad, good, good], [8, 8, 2])[0] < linear.allocate([bad, good, good], [8, 8, 2])[1]
     )
-    # The default curve and margin: a = 0.5 does not pay, a = 0.9 drafts in full.
+    # The default curve and margin: a = 0.5 does not pay, a = 0.95 drafts in full.
     assert DraftPolicy(max_k=8).num_drafts(DraftState()) == 0
-    assert DraftPolicy(max_k=8).num_drafts(DraftState(accepted=9.0, rejected=1.0)) == 8
+    assert DraftPolicy(max_k=8).num_drafts(DraftState(accepted=19.0, rejected=1.0)) == 8
     with pytest.raises(ValueError, match="increasing tokens"):
-        StepCost(((2, 1.0), (1, 2.0)))
+        StepCost({2: ((2, 1.0), (1, 2.0))})
 
 
 def test_shadow_scores_a_proposal_against_the_tokens_that_follow():
@@ -95,7 +95,7 @@ def test_random_text_stops_drafting_with_identical_outputs(copying):  # noqa: F8
     always = make_engine(loaded, speculative_config=NGRAM)
     always.scheduler.draft_policy = DraftPolicy(
         NGRAM["num_speculative_tokens"],
-        step_cost=StepCost(((1, 1.0), (2, 1.0))),
+        step_cost=StepCost({1: ((1, 1.0), (2, 1.0))}),
         min_gain=0.0,
     )
     adaptive = make_engine(loaded, speculative_config=NGRAM)

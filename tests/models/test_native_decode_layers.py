@@ -55,7 +55,8 @@ def _decode_outputs(
 @pytest.mark.parametrize("spec", [None, NGRAM], ids=["decode", "verify"])
 def test_one_call_equals_the_layer_by_layer_sequence(arch, batch, spec, tmp_path, monkeypatch):
     if spec:  # every proposal verified at full length, so verify steps of several tokens per row run
-        monkeypatch.setattr(spec_policy, "DEFAULT_STEP_COST_POINTS", ((1, 1.0), (2, 1.0)))
+        monkeypatch.setattr(spec_policy, "DEFAULT_VERIFY_COSTS", {1: ((1, 1.0), (2, 1.0))})
+        monkeypatch.setattr(spec_policy, "DEFAULT_DECODE_COSTS", ((1, 1.0), (2, 1.0)))
         monkeypatch.setattr(spec_policy, "DEFAULT_MIN_GAIN", 0.0)
     loaded = load_model(str(write_tiny_checkpoint(arch, tmp_path, gguf_weights=True, head_dim=32)))
     lean = loaded.model.lean
