@@ -14,8 +14,8 @@ Model (plain arithmetic, deterministic given the cost curve):
 - Cost: ``StepCost``, relative to a one-token decode step: plain decode
   steps by their row count, and what drafts add to a step by how many
   rows it has (at one row the kernels' small-row paths make the first
-  drafts dear; at eight a draft adds about a seventh of the 8-row step,
-  and never less than nothing). A speculating engine measures both on its
+  drafts dear; at eight a draft adds about a fifth of a one-row step,
+  1/18 of the 8-row one). A speculating engine measures both on its
   machine when it starts (``worker/step_costs.py``; the scheduler itself
   never times anything); the built-in default is the embedded model's on
   an AVX-512 CPU.
