@@ -41,12 +41,12 @@ the rest (a copying request reaches full-length runs after one proposal).
 The n-gram proposer is plain Python over the request's tokens, so its
 shadow is free. A drafter whose proposals cost a forward (EAGLE) is
 not free to watch: ``observe`` takes each verified run, and a request the
-allocation leaves at zero drafts is probed (``drafter_drafts``): one
-full-``k`` proposal first, then a one-draft one after 8, 16, ... up to 64
-idle sampling steps (exponential back-off, reset once the allocation
-drafts again), so a request whose text turns predictable is noticed; a
-probe kept whole is followed at once by a full-``k`` one, so an agreeing
-head reaches the allocation's bar in a few steps, not after idle gaps. A
+allocation leaves at zero drafts is probed (``drafter_drafts``): a
+one-draft proposal at once, then after 8, 16, ... up to 64 idle sampling
+steps (exponential back-off, reset once the allocation drafts again), so a
+request whose text turns predictable is noticed; a probe kept whole is
+followed at once by a full-``k`` one, so an agreeing head reaches the
+allocation's bar in a few steps, not after idle gaps. A
 probe's proposal is scored in the shadow, like a prompt-lookup proposal,
 never verified: it costs the head's passes but no verify step (on a 2-core
 CPU a batch-8 step with one draft per row costs 1.5x a decode step, with
@@ -89,8 +89,9 @@ PRIOR_ACCEPTED = 1.0
 PRIOR_REJECTED = 1.0
 # A drafter's probes of a request that stopped drafting: the first idle gap
 # (in sampling steps) and the longest one (each failed probe doubles it). At 8
-# a head that never agrees is probed 3 times in a 96-token reply after its first
-# proposal (4 times at 4): each probe costs about a decode step at batch 1.
+# a head that never agrees is probed 4 times in a 96-token reply (at once, then
+# after 8, 16 and 32 idle steps): each probe costs a head pass over the positions
+# since the last one and one LM-head row.
 PROBE_FIRST_GAP = 8
 PROBE_MAX_GAP = 64
 
@@ -107,7 +108,7 @@ class DraftState:
     probe_wait: int = 0  # drafter only: idle sampling steps left before the next probe (0: probe now)
     probe_gap: int = PROBE_FIRST_GAP  # drafter only: the idle gap after the next probe
     probing: bool = False  # drafter only: the proposal asked for last is a probe (shadow-scored)
-    probe_full: bool = True  # drafter only: the next probe proposes max_k drafts (else one)
+    probe_full: bool = False  # drafter only: the next probe proposes max_k drafts (else one)
 
     @property
     def acceptance(self) -> float:
@@ -235,9 +236,9 @@ class DraftPolicy:
     def drafter_drafts(self, state: DraftState, allocated: int) -> int:
         """Drafts a costly drafter proposes for a request the allocation gave
         ``allocated``: that many, or a probe when it is zero and one is due
-        (``max_k`` before any run, then one draft; ``state.probing`` says which,
-        for the scheduler to shadow-score a probe's proposal instead of verifying
-        it); one call per sampling step, deterministic."""
+        (one draft, or ``max_k`` after a probe kept whole; ``state.probing`` says
+        it is one, for the scheduler to shadow-score its proposal instead of
+        verifying it); one call per sampling step, deterministic."""
         state.probing = False
         if allocated > 0:
             state.probe_wait, state.probe_gap = PROBE_FIRST_GAP, PROBE_FIRST_GAP
@@ -247,9 +248,8 @@ class DraftPolicy:
             return 0
         state.probing = True
         state.probe_wait, state.probe_gap = state.probe_gap, min(2 * state.probe_gap, PROBE_MAX_GAP)
-        # The first proposal, and one after a probe kept whole, is scored at full length;
-        # other probes propose one draft (each further one costs a head step and an
-        # LM-head pass), enough to notice agreement and raise the estimate.
+        # A probe proposes one draft (each further one costs a head step and an LM-head
+        # pass), enough to notice agreement; one kept whole earns a full-length probe next.
         full, state.probe_full = state.probe_full, False
         return self.max_k if full else 1
 
