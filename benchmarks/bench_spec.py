@@ -108,8 +108,9 @@ CHAT_TOPICS = [
 def prompts_for(engine: LLMEngine, kind: str, batch: int, rep: int) -> list[dict]:
     """``batch`` chat prompts of a workload (``copy`` mixes the copy tasks, ``copy:<task>`` is one of
     them); each repetition asks slightly differently (no cross-run hits)."""
-    if kind.startswith("copy"):
-        tasks = [COPY_TASKS[kind[5:]]] if ":" in kind else list(COPY_TASKS.values())
+    workload, _, task = kind.partition(":")
+    if workload == "copy":
+        tasks = [COPY_TASKS[task]] if task else list(COPY_TASKS.values())
         texts = [tasks[(i + rep) % len(tasks)](rep * 16 + i) for i in range(batch)]
     else:
         texts = [

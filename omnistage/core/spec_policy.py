@@ -139,9 +139,9 @@ class StepCost:
         verify_curves: Mapping[int, Sequence[tuple[int, float]]],
         decode_points: Sequence[tuple[int, float]] | None = None,
     ) -> None:
-        if not verify_curves or any(rows < 1 or _curve(c)[0][0] != rows for rows, c in verify_curves.items()):
-            raise ValueError(f"StepCost: each verify curve of R rows must start at R tokens, got {verify_curves}")
         self.verify_curves = {rows: _curve(verify_curves[rows]) for rows in sorted(verify_curves)}
+        if not self.verify_curves or any(rows < 1 or c[0][0] != rows for rows, c in self.verify_curves.items()):
+            raise ValueError(f"StepCost: each verify curve of R rows must start at R tokens, got {verify_curves}")
         first = next(iter(self.verify_curves.values()))
         self.decode_points = _curve(decode_points) if decode_points is not None else first
         # Every step asks for the same few shapes: each is interpolated once.
@@ -255,7 +255,10 @@ class DraftPolicy:
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
         """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept."""
-        self._record(state, num_accepted, num_accepted < num_drafts)
+        self._decay(state)
+        state.accepted += num_accepted
+        state.rejected += num_accepted < num_drafts
+        state.num_runs += 1
 
     def shadow(self, state: DraftState, proposal: list[int]) -> None:
         """Score ``proposal`` (not verified) against the tokens that follow, unless one is pending."""
@@ -282,12 +285,6 @@ class DraftPolicy:
                     state.probe_wait, state.probe_gap, state.probe_full = 0, PROBE_FIRST_GAP, True
                 state.shadow, state.num_runs = [], state.num_runs + 1
                 return
-
-    def _record(self, state: DraftState, kept: int, rejected: bool) -> None:
-        self._decay(state)
-        state.accepted += kept
-        state.rejected += 1.0 if rejected else 0.0
-        state.num_runs += 1
 
     def _decay(self, state: DraftState) -> None:
         state.accepted *= self.decay

@@ -26,8 +26,9 @@ measures it once, when it starts (:func:`measure_step_costs`):
 
 The result is a ``StepCost``, every time divided by the one-row decode
 step's: plain decode steps by row count, and verify steps by token count at
-1 and at 8 rows (what a draft adds depends on the rows it joins). Shapes that do not fit (fewer requests or KV blocks than they
-need) are skipped; where too few fit, the built-in curve stays.
+1 and at 8 rows (what a draft adds depends on the rows it joins). Shapes
+that do not fit (fewer requests or KV blocks than they need) are skipped;
+where too few fit, the built-in curve stays.
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ def measure_step_costs(runner, max_drafts: int, rounds: int = 2) -> StepCost | N
         b: sorted([(b, decode[b]), *((r * q, t / unit) for (r, q), t in best.items() if r == b and q > 1)])
         for b in sorted({b for b, q in best if q > 1} & decode.keys())
     }
-    curves = {b: c for b, c in curves.items() if len(c) >= 2}
     if len(decode) < 2 or 1 not in curves:
         return None
     return StepCost(curves, sorted(decode.items()))
