@@ -392,7 +392,7 @@ class Scheduler:
         policy, state = self.draft_policy, request.draft_state
         if cfg.uses_drafter:  # what the worker's drafter proposed after the request's last step
             proposal, request.draft_token_ids = request.draft_token_ids, []
-            drafts = take_worker_drafts(proposal, k, cfg.banned_token_ids)
+            drafts = _through_stop(take_worker_drafts(proposal, k, cfg.banned_token_ids), request)
             if policy is not None and state.probing:  # a probe: scored in the shadow, not verified
                 policy.shadow(state, drafts)
                 return []
@@ -401,8 +401,9 @@ class Scheduler:
         worth = self._worth_drafting.get(request.request_id, 0)
         if worth == 0 and state.shadow:
             return []  # nothing to verify, and the shadow is still scoring an earlier proposal
-        proposal = propose_ngram(
-            request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids
+        proposal = _through_stop(
+            propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids),
+            request,
         )
         # The whole proposal is scored against the tokens that follow, verified or not
         # (free for a plain-Python proposer, and not cut short by the verified length).
@@ -612,3 +613,17 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
+
+
+def _through_stop(drafts: list[int], request: Request) -> list[int]:
+    """``drafts`` up to and including the first token that would stop ``request``
+    (EOS unless ignored, a stop token id): none after it can be emitted. Kept,
+    it ends the request; rejected (also when ``min_tokens`` holds it back), so
+    are the drafts after it. A copy ending in the prompt's end-of-turn token
+    would otherwise draft the chat template after it."""
+    params = request.sampling_params
+    eos = None if params.ignore_eos else request.eos_token_id
+    for i, token in enumerate(drafts):
+        if token == eos or token in params.stop_token_ids:
+            return drafts[: i + 1]
+    return drafts

@@ -27,7 +27,7 @@ from omnistage.worker.mm.encoder_cache import EncoderCache
 from omnistage.worker.model_state import ModelState
 from omnistage.worker.eagle_proposer import EagleProposer
 from omnistage.worker.rejection_sampler import RejectionSampler
-from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingState
+from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingState
 from omnistage.worker.tensor_prefix_cache import StepTensorCache
 
 
@@ -483,19 +483,30 @@ class ModelRunner:
         return self._sample_rows(step.sampling_req_ids, rows, step.logits_indices, hidden)
 
     def _sample_rows(
-        self, req_ids: list[str], rows: np.ndarray, logits_indices: torch.Tensor, hidden: torch.Tensor
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        logits_indices: torch.Tensor,
+        hidden: torch.Tensor,
+        md: SamplingMetadata | None = None,
+        greedy_ids: torch.Tensor | None = None,
     ) -> ModelRunnerOutput:
         """One token for each of ``req_ids`` (batch ``rows``), from the hidden
-        state at ``logits_indices``."""
+        state at ``logits_indices``; ``md``, their sampling metadata, and
+        ``greedy_ids``, their argmax tokens (plain-greedy rows), where the
+        caller has them already."""
         batch = self.input_batch
-        md = self.sampling_state.metadata(batch, rows, req_ids)
-        sample_rows = hidden.index_select(0, logits_indices)
+        if md is None:
+            md = self.sampling_state.metadata(batch, rows, req_ids)
         greedy_tokens = getattr(self.model, "greedy_token_ids", None)
-        if md.plain_greedy and greedy_tokens is not None:
+        if greedy_ids is None and md.plain_greedy and greedy_tokens is not None:
             # Only argmax tokens are needed: the model may get them without full fp32 logits.
-            sampled = SamplerOutput(sampled_token_ids=greedy_tokens(sample_rows))
+            greedy_ids = greedy_tokens(hidden.index_select(0, logits_indices))
+        if greedy_ids is not None:
+            sampled = SamplerOutput(sampled_token_ids=greedy_ids)
         else:
-            sampled = self.sampler(self.model.compute_logits(sample_rows), md, self.generator)
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+            sampled = self.sampler(logits, md, self.generator)
         token_ids = sampled.sampled_token_ids.tolist()
         for req_id, token in zip(req_ids, token_ids):
             batch.append_token(req_id, token)
@@ -525,22 +536,30 @@ class ModelRunner:
             else:
                 spec_ids.append(req_id)
                 spec_pos.extend(range(idx - len(d), idx + 1))
-        out = ModelRunnerOutput()
-        if plain_ids:
-            rows = np.fromiter((batch.req_id_to_index[r] for r in plain_ids), dtype=np.int64, count=len(plain_ids))
-            out = self._sample_rows(plain_ids, rows, torch.tensor(plain_idx, device=self.device), hidden)
         spec_drafts = [drafts[r] for r in spec_ids]
         rep_ids = [r for r, d in zip(spec_ids, spec_drafts) for _ in range(len(d) + 1)]
         rep_rows = np.fromiter((batch.req_id_to_index[r] for r in rep_ids), dtype=np.int64, count=len(rep_ids))
         # Position j of a request's run verifies as if its drafts before j were decoded.
         drafted = [d[:j] for d in spec_drafts for j in range(len(d) + 1)]
         md = self.sampling_state.metadata(batch, rep_rows, rep_ids, drafted)
-        verify_rows = hidden.index_select(0, torch.tensor(spec_pos, device=self.device))
+        plain_rows = np.fromiter((batch.req_id_to_index[r] for r in plain_ids), dtype=np.int64, count=len(plain_ids))
+        plain_md = self.sampling_state.metadata(batch, plain_rows, plain_ids) if plain_ids else None
         greedy_tokens = getattr(self.model, "greedy_token_ids", None)
-        raw_logprobs = None
+        plain_tokens = verify_tokens = None
         if md.plain_greedy and greedy_tokens is not None:  # the same argmax a plain decode takes
-            emitted = self.rejection_sampler(None, md, spec_drafts, self.generator, greedy_tokens(verify_rows))
+            # Plain greedy rows join the same LM-head pass (a row's token does not depend on the others).
+            joint = plain_idx if plain_md is not None and plain_md.plain_greedy else []
+            tokens = greedy_tokens(hidden.index_select(0, torch.tensor(joint + spec_pos, device=self.device)))
+            plain_tokens, verify_tokens = (tokens[: len(joint)] if joint else None), tokens[len(joint) :]
+        out = ModelRunnerOutput()
+        if plain_ids:
+            index = torch.tensor(plain_idx, device=self.device)
+            out = self._sample_rows(plain_ids, plain_rows, index, hidden, plain_md, plain_tokens)
+        raw_logprobs = None
+        if verify_tokens is not None:
+            emitted = self.rejection_sampler(None, md, spec_drafts, self.generator, verify_tokens)
         else:
+            verify_rows = hidden.index_select(0, torch.tensor(spec_pos, device=self.device))
             logits = self.model.compute_logits(verify_rows)
             if md.num_logprobs is not None:  # the raw distribution at each position, as a plain decode reports
                 raw_logprobs = torch.log_softmax(logits.float(), dim=-1)

@@ -160,6 +160,42 @@ def test_greedy_equals_speculation_off_and_hf(arch, factor, copying):
     _assert_held_nothing(on)
 
 
+def test_a_verify_step_takes_every_rows_argmax_in_one_pass(copying):
+    """Plain rows and verified runs share one LM-head pass (a row's argmax does not depend
+    on the others): a second pass would stream the head's weights again."""
+    loaded, _ = copying("llama", 0.0)
+    on = make_engine(loaded, speculative_config=NGRAM)
+    model, schedule = on.runner.model, on.scheduler.schedule
+    passes: list[int] = []  # rows of each greedy pass of the current step
+    steps: list[tuple[list[int], int]] = []  # each verify step's passes, and the rows its runs verify
+    greedy = model.greedy_token_ids
+    model.greedy_token_ids = lambda rows: passes.append(rows.shape[0]) or greedy(rows)
+    scheduled = {}
+
+    def schedule_and_record():
+        passes.clear()
+        scheduled["out"] = schedule()
+        return scheduled["out"]
+
+    on.scheduler.schedule = schedule_and_record
+
+    def step():
+        on.step()
+        verified = sum(len(d) + 1 for d in scheduled["out"].scheduled_spec_decode_tokens.values())
+        if verified:
+            steps.append((list(passes), verified))
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate([REPEATING, *PROMPTS[:3]]):  # each arrives while the others decode
+        on.add_request(f"r{i}", prompt, params)
+        step()
+    while on.has_unfinished_requests():
+        step()
+    assert steps and all(len(p) == 1 for p, _ in steps), steps
+    assert any(p[0] > verified for p, verified in steps), steps  # plain rows joined a verify step's pass
+    _assert_held_nothing(on)
+
+
 def _in_cycle(loaded) -> dict:
     """A prompt whose greedy continuation under the bigram model is already in
     its cycle, so prompt lookup drafts right from the first decode."""
@@ -630,6 +666,30 @@ def test_scheduler_rolls_back_rejected_drafts_and_caches_only_verified_blocks():
         bad = ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 7}, spec_sampled_token_ids={"r": [99, 7]})
         with pytest.raises(RuntimeError, match="request 'r' verified drafts"):
             sched.update_from_output(so, bad)
+
+
+@pytest.mark.parametrize(
+    "ignore_eos, stop_token_ids, cut",
+    [(False, [], 2), (True, [], None), (True, [5], 3), (False, [3], 1)],
+)
+def test_scheduler_never_drafts_past_a_stop_token(ignore_eos, stop_token_ids, cut):
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    sched = _spec_scheduler()
+    prompt = [1, 2, 3, 9, 5, 6, 7, 1]  # 9 is EOS: a copy of the prompt would run past it
+    params = SamplingParams(max_tokens=20, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
+    req = Request("r", prompt, params, eos_token_id=9)
+    sched.add_request(req)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["r"], sampled_token_ids={"r": 2}))
+    # Decode: [1, 2] matches the prompt's start; the lookup proposes [3, 9, 5, 6, 7, 1, 2].
+    drafts = sched.schedule().scheduled_spec_decode_tokens["r"]
+    lookup = [3, 9, 5, 6, 7, 1, 2]
+    if cut is None:  # no stop token among them: as many as the draft policy allows
+        assert len(drafts) > 3 and drafts == lookup[: len(drafts)]
+    else:  # through the first stop token, none after it
+        assert drafts == lookup[:cut]
 
 
 def test_scheduler_drafts_never_preempt_and_respect_max_tokens():
