@@ -159,12 +159,12 @@ class EagleProposer:
         it, and draft for the requests in ``wanted``."""
         sampled = set(step.sampling_req_ids)
         run, skip = [], []
+        # Plain ints: this runs every step for every request, numpy scalars cost more than the copy.
+        computed, scheduled = step.num_computed_tokens.tolist(), step.num_scheduled_tokens.tolist()
+        prompt_lens = step.prefill_lens.tolist()
         for i, r in enumerate(step.req_ids):
             kept = self._kept.get(r)
-            if (
-                kept is not None
-                and kept.start + kept.count != step.num_computed_tokens[i]
-            ):
+            if kept is not None and kept.start + kept.count != computed[i]:
                 # Not contiguous with this step (cannot happen while the batch and the
                 # scheduler agree): the kept rows no longer match, so drop them; their
                 # positions' head KV stays stale, which only drafts' quality reads.
@@ -172,10 +172,10 @@ class EagleProposer:
                 kept = None
             held = kept.count if kept is not None else 0
             skips = (
-                wanted.get(r, 0) == 0
+                not wanted.get(r)
                 and r in sampled
-                and step.num_computed_tokens[i] >= step.prefill_lens[i]
-                and held + int(step.num_scheduled_tokens[i]) <= self.window
+                and computed[i] >= prompt_lens[i]
+                and held + scheduled[i] <= self.window
             )
             (skip if skips else run).append(i)
         if skip:
@@ -271,21 +271,28 @@ class EagleProposer:
     def _keep(
         self, step: BatchStep, target_hidden: torch.Tensor, skip: list[int]
     ) -> None:
-        """Copy the skipping requests' rows of this step into their windows (a slice
-        copy each: usually one row, cheaper than building an index)."""
+        """Copy the skipping requests' rows of this step into their windows: one
+        gather-scatter for all of them (a step's rows and the windows' are both
+        scattered), a slice copy for a lone row."""
+        starts, counts = step.query_start_loc.tolist(), step.num_scheduled_tokens.tolist()
+        stride = self._pool.shape[1]  # a slot's rows (``window`` may be set lower, never higher)
+        src: list[int] = []
+        dst: list[int] = []
         for i in skip:
             r = step.req_ids[i]
             kept = self._kept.get(r)
             if kept is None:
-                kept = self._kept[r] = _Kept(
-                    self._free_slots.pop(), int(step.num_computed_tokens[i])
-                )
-            k = int(step.num_scheduled_tokens[i])
-            a = int(step.query_start_loc[i])
-            self._pool[kept.slot, kept.count : kept.count + k].copy_(
-                target_hidden[a : a + k]
-            )
+                kept = self._kept[r] = _Kept(self._free_slots.pop(), int(step.num_computed_tokens[i]))
+            k, at = counts[i], kept.slot * stride + kept.count
+            src += range(starts[i], starts[i] + k)
+            dst += range(at, at + k)
             kept.count += k
+        pool = self._pool.view(-1, self._pool.shape[-1])
+        if len(src) == 1:
+            pool[dst[0]].copy_(target_hidden[src[0]])
+        else:
+            rows = target_hidden.index_select(0, torch.tensor(src, device=self.device))
+            pool.index_copy_(0, torch.tensor(dst, device=self.device), rows)
 
     def discard(self, req_id: str) -> None:
         """Free ``req_id``'s window without running the head (its owed positions stay stale)."""
