@@ -32,12 +32,14 @@ both emit the same tokens, which is checked):
    prices drafts by (``worker/step_costs.py``; those leave the engine's own
    per-step Python out, so they read higher: about 10% at ``k = 8``).
 
-Each measurement is repeated ``--repeat`` times with the two sides
-interleaved (alternating which runs first), so a burst of load on a shared
-machine hits both sides of a pair. Ratios are medians of the per-pair
-ratios, with their min..max spread; ``uptime`` load is printed before and
-after. Decode tokens/s counts the tokens after each request's first over
-the time from the last first token to the last finish.
+The two sides of a pair run the same prompts side by side, a few engine
+steps of each in turn (alternating which goes first), so a burst of load on a
+shared machine, which here slows every step by a fifth for seconds at a
+time, hits both sides alike; each measurement is repeated ``--repeat``
+times. Ratios are medians of the per-pair ratios, with their min..max
+spread; ``uptime`` load is printed before and after. Decode tokens/s counts
+the tokens after each request's first over the engine's own step time from
+the step that gave the last first token to the last finish.
 
 Run: ``python benchmarks/bench_spec.py`` (``--quick`` for a smaller run: its
 32 tokens are mostly the draft policy's shadow warm-up, so the copy rows read
@@ -121,16 +123,47 @@ def prompts_for(engine: LLMEngine, kind: str, batch: int, rep: int) -> list[dict
 
 def run(engine: LLMEngine, prompts: list[dict], params: SamplingParams, tag: str) -> tuple[float, list]:
     """Decode tokens/s (see the module docstring) and the finished outputs in prompt order."""
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params)
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.finished]
-    outs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
-    start = max(o.metrics.first_token_time for o in outs)
-    end = max(o.metrics.finished_time for o in outs)
-    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-    return tokens / max(end - start, 1e-9), outs
+    return run_side_by_side([engine], prompts, params, tag)[0]
+
+
+# Steps each engine runs per turn side by side: a turn lasts a fraction of a second, a burst of
+# load seconds. One-step turns would cost each engine the other's evictions from the CPU caches,
+# which a lone engine never pays (an EAGLE engine read 1.5% slower that way).
+STEPS_PER_TURN = 8
+
+
+def run_side_by_side(
+    engines: list[LLMEngine], prompts: list[dict], params: SamplingParams, tag: str
+) -> list[tuple[float, list]]:
+    """``prompts`` on each engine, ``STEPS_PER_TURN`` steps of each in turn: per engine, decode tokens/s
+    over its own steps' time (see the module docstring) and its outputs in prompt order."""
+    runs = []
+    for e, engine in enumerate(engines):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{tag}-{e}-{i}", p, params)
+        runs.append({"steps": [], "seen": set(), "outs": [], "first": 0, "last": 0})
+    while any(engine.has_unfinished_requests() for engine in engines):
+        for engine, r in zip(engines, runs):
+            for _ in range(STEPS_PER_TURN):
+                if not engine.has_unfinished_requests():
+                    break
+                start = time.perf_counter()
+                outputs = engine.step()
+                r["steps"].append(time.perf_counter() - start)
+                new = {o.request_id for o in outputs} - r["seen"]
+                if new:  # a request's first token: decode time starts after the last such step
+                    r["seen"] |= new
+                    r["first"] = len(r["steps"])
+                done = [o for o in outputs if o.finished]
+                if done:
+                    r["outs"] += done
+                    r["last"] = len(r["steps"])
+    results = []
+    for r in runs:
+        outs = sorted(r["outs"], key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+        tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        results.append((tokens / max(sum(r["steps"][r["first"] : r["last"]]), 1e-9), outs))
+    return results
 
 
 def ceiling(cost: StepCost, prompts: list[dict], outs: list) -> float:
@@ -249,11 +282,12 @@ def main() -> None:
         for r in range(reps):
             prompts = prompts_for(off, kind, batch, r)
             order = (False, True) if r % 2 == 0 else (True, False)
+            side = run_side_by_side([engines[method] if spec else off for spec in order], prompts, params,
+                                    f"{method}{kind}{batch}-{r}")  # fmt: skip
             got = {}
-            for spec in order:
-                eng = engines[method] if spec else off
-                tps[spec].append(0.0)
-                tps[spec][-1], got[spec] = run(eng, prompts, params, f"{method}{kind}{batch}-{r}-{int(spec)}")
+            for spec, (rate, outs) in zip(order, side):
+                tps[spec].append(rate)
+                got[spec] = outs
             ratios.append(tps[True][-1] / tps[False][-1])
             same &= [o.outputs[0].token_ids for o in got[True]] == [o.outputs[0].token_ids for o in got[False]]
             if method == "ngram":
