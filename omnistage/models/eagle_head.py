@@ -153,12 +153,16 @@ class EagleHead(torch.nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The head over a step's positions: writes its KV at every one and returns its
+        output ``[T, hidden]``, or only rows ``out_rows`` (the positions a draft is read
+        from; the lean layer then skips the rest's output projection and MLP)."""
         x = torch.cat((inputs_embeds.to(self.dtype), target_hidden.to(self.dtype)), dim=-1)
         if (lean := self.lean) is not None:
             h = lean.fc(x)
             cos, sin = rope_tables(self.rotary, h, positions, self.head_dim)
-            return layer_forward(lean.layer, h, cos, sin, kv_caches[0], attn_metadata, lean.native)
+            return layer_forward(lean.layer, h, cos, sin, kv_caches[0], attn_metadata, lean.native, out_rows)
         h = self.fc(x)[None]
         position_ids = positions[None]
         with attention_context(attn_metadata, kv_caches):
@@ -169,8 +173,8 @@ class EagleHead(torch.nn.Module):
                 position_ids=position_ids,
                 position_embeddings=cos_sin,
             )
-        out = out[0] if isinstance(out, tuple) else out
-        return out[0]
+        out = (out[0] if isinstance(out, tuple) else out)[0]
+        return out if out_rows is None else out.index_select(0, out_rows)
 
 
 def _q8_0(linear: PackedLinear, modules: list[torch.nn.Linear]) -> PackedLinear:

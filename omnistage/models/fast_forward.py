@@ -289,8 +289,11 @@ def layer_forward(
     cache: torch.Tensor,
     md: AttentionMetadata,
     native: bool,
+    out_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decoder layer over ``h`` ``[T, hidden]`` (paged attention on ``cache``): the new ``h``."""
+    """One decoder layer over ``h`` ``[T, hidden]`` (paged attention on ``cache``): the new ``h``,
+    or only its rows ``out_rows`` (every token's keys/values are still written; the rows
+    not asked for skip the output projection and the MLP, most of a layer's work)."""
     t = h.shape[0]
     nh, nkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     nqk = nh + nkv
@@ -307,8 +310,12 @@ def layer_forward(
     v = qkv[:, nqk * d :].view(t, nkv, d)
     attn = paged_attention(
         qk[:, :nh].transpose(0, 1), qk[:, nh:].transpose(0, 1), v.transpose(0, 1), cache, md, layer.scaling
-    )
-    h = h + layer.o(attn.reshape(t, nh * d))
+    ).reshape(t, nh * d)
+    if out_rows is not None:
+        if not len(out_rows):
+            return h[:0]
+        h, attn = h.index_select(0, out_rows), attn.index_select(0, out_rows)
+    h = h + layer.o(attn)
     x = norm(h, layer.post_norm, layer.post_eps)
     gu = layer.gate_up(x)
     inter = gu.shape[1] // 2

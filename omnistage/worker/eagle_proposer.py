@@ -30,7 +30,11 @@ Policy:
   never kept (a prefill chunk runs the head at once: the encoder rows it may
   read are there only now). A step where no request drafts, catches up or
   fills its window runs no head at all: it costs a speculation-off step
-  plus one copy of the kept rows.
+  plus one copy of the kept rows. A pass computes the head's output only
+  at the rows drafts are read from (a drafting request's last one): the
+  other positions need only their KV, so they skip the layer's output
+  projection and MLP (a release pass computes no output at all), which
+  makes a catch-up about a third of a full pass per position.
 - **Its KV is paged like the target's**: one layer, its own tensors, the
   target's block ids and slots. So it is allocated, shared on a prefix hit,
   and freed with the request's blocks, and needs no block bookkeeping of its own.
@@ -182,22 +186,21 @@ class EagleProposer:
             self._keep(step, target_hidden, skip)
         if not run:
             return {}
-        if len(run) == len(step.req_ids) and not any(
-            r in self._kept for r in step.req_ids
-        ):
-            out, last = self._run_step(step, target_hidden, batch, model_state)
-        else:
-            out, last = self._run_segments(step, target_hidden, batch, model_state, run)
-
+        # The run requests drafts are read from (the head's output at their last row).
         chosen = [
             j
             for j, i in enumerate(run)
             if wanted.get(step.req_ids[i], 0) > 0 and step.req_ids[i] in sampled
         ]
+        if len(run) == len(step.req_ids) and not any(
+            r in self._kept for r in step.req_ids
+        ):
+            hidden = self._run_step(step, target_hidden, batch, model_state, chosen)
+        else:
+            hidden = self._run_segments(step, target_hidden, batch, model_state, run, chosen)
         if not chosen:
             return {}
         idx = [run[j] for j in chosen]
-        hidden = out.index_select(0, torch.from_numpy(last[chosen]).to(self.device))
         tokens = self._argmax(hidden)
         req_ids = [step.req_ids[i] for i in idx]
         drafts = {r: [t] for r, t in zip(req_ids, tokens.tolist())}
@@ -257,13 +260,8 @@ class EagleProposer:
             pos, embeds, hidden = self._kept_inputs(segs, rows, batch)
             hstep = self._head_step(leaving, rows, starts, counts, batch.block_table[0])
             md = build_attention_metadata(hstep, self.block_size)
-            self.head(
-                embeds,
-                hidden,
-                torch.from_numpy(pos).to(self.device),
-                md,
-                self.kv_caches,
-            )
+            no_rows = self._rows(np.empty(0))  # only the KV is wanted: no output row
+            self.head(embeds, hidden, torch.from_numpy(pos).to(self.device), md, self.kv_caches, no_rows)
             self.num_head_tokens += len(pos)
         for r in req_ids:
             self.discard(r)
@@ -306,16 +304,18 @@ class EagleProposer:
         target_hidden: torch.Tensor,
         batch: InputBatch,
         model_state: Any | None,
-    ) -> tuple[torch.Tensor, np.ndarray]:
+        chosen: list[int],
+    ) -> torch.Tensor:
         """The head over the whole step (no request skips or catches up): its output
-        and the packed index of each request's last row."""
+        at the last row of each ``chosen`` request."""
         n = step.num_tokens
         positions = step.positions[:n]
         _, embeds = self._step_inputs(step, batch, model_state)
         md = build_attention_metadata(step, self.block_size)
-        out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches)
+        out_rows = self._rows(step.query_start_loc[1:][chosen] - 1)
+        out = self.head(embeds, target_hidden[:n], positions, md, self.kv_caches, out_rows)
         self.num_head_tokens += n
-        return out, step.query_start_loc[1:] - 1
+        return out
 
     def _run_segments(
         self,
@@ -324,11 +324,12 @@ class EagleProposer:
         batch: InputBatch,
         model_state: Any | None,
         run: list[int],
-    ) -> tuple[torch.Tensor, np.ndarray]:
+        chosen: list[int],
+    ) -> torch.Tensor:
         """The head over the ``run`` requests of the step, each one's kept positions
-        (its catch-up) before its step tokens, in one pass: its output and the
-        packed index of each run request's last row. A kept request catches up
-        here and its window is freed."""
+        (its catch-up) before its step tokens, in one pass: its output at the last
+        row of each ``chosen`` run request. A kept request catches up here and its
+        window is freed."""
         n = step.num_tokens
         step_pos, step_embeds = self._step_inputs(step, batch, model_state)
         qsl = step.query_start_loc
@@ -369,12 +370,16 @@ class EagleProposer:
             torch.from_numpy(pos).to(self.device),
             md,
             self.kv_caches,
+            self._rows(hstep.query_start_loc[1:][chosen] - 1),
         )
         self.num_head_tokens += len(pos)
         for i, k in zip(run, kept):
             if k is not None:
                 self.discard(step.req_ids[i])
-        return out, hstep.query_start_loc[1:] - 1
+        return out
+
+    def _rows(self, rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(self.device)
 
     def _kept_inputs(
         self, kept: list[_Kept], rows: np.ndarray, batch: InputBatch

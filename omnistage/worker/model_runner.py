@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from omnistage.worker.eagle_proposer import EagleProposer
 from omnistage.worker.rejection_sampler import RejectionSampler
 from omnistage.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingState
 from omnistage.worker.tensor_prefix_cache import StepTensorCache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -169,20 +172,23 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
-        if self.tensor_cache is not None:
-            # Deferred outputs of finished requests are committed while their rows still exist.
-            self.tensor_cache.begin_step(so, batch)
-        if self.proposer is not None:
-            # The head's owed positions of leaving requests, while their rows are still here.
-            self.proposer.release(so.finished_req_ids | so.aborted_req_ids | so.preempted_req_ids, batch)
-        for req_id in so.finished_req_ids | so.aborted_req_ids:
-            self._parked_generators.pop(req_id, None)
-            self._remove(req_id)
-        for req_id in so.preempted_req_ids:
-            gen = batch.generators.get(req_id)
-            if gen is not None:
-                self._parked_generators[req_id] = gen
-            self._remove(req_id)
+        try:
+            if self.tensor_cache is not None:
+                # Deferred outputs of finished requests are committed while their rows still exist.
+                self.tensor_cache.begin_step(so, batch)
+            if self.proposer is not None:
+                self._release_drafter(so.finished_req_ids | so.aborted_req_ids | so.preempted_req_ids)
+        finally:
+            # Leaving rows go even when the above failed: no later step names them again, and a
+            # row left behind would be held for good (and keep the engine from ever going idle).
+            for req_id in so.finished_req_ids | so.aborted_req_ids:
+                self._parked_generators.pop(req_id, None)
+                self._remove(req_id)
+            for req_id in so.preempted_req_ids:
+                gen = batch.generators.get(req_id)
+                if gen is not None:
+                    self._parked_generators[req_id] = gen
+                self._remove(req_id)
         if self.encoder_cache is not None:
             # Evicted by the scheduler: drop before this step encodes (an id
             # re-allocated in the same pass is never in this list).
@@ -230,6 +236,16 @@ class ModelRunner:
             mrope = self.mm_adapter.get_mrope_positions(new.token_ids[: new.num_prompt_tokens], features)
             self._mrope_prompt[new.req_id] = mrope.prompt.cpu().numpy()
             self.input_batch.mrope_delta[row] = mrope.delta
+
+    def _release_drafter(self, leaving: set[str]) -> None:
+        """The head's owed positions of leaving requests, while their rows are still here.
+        Best effort: a failed pass leaves those positions' head KV stale, which only the
+        quality of drafts read over them (a prefix hit) can show; nothing in flight fails."""
+        assert self.proposer is not None
+        try:
+            self.proposer.release(leaving, self.input_batch)
+        except Exception:  # noqa: BLE001 - contained: drafts are verified, their quality is all it costs
+            logger.exception("EAGLE head: the catch-up pass of leaving requests %s failed", sorted(leaving))
 
     def forget(self, req_ids: list[str]) -> None:
         """Drop what the runner keeps of requests that ended while preempted (their
