@@ -90,11 +90,12 @@ class Scheduler:
     (see ``EncoderScheduler``).
     How many drafts a request gets is ``DraftPolicy``'s call (its measured
     acceptance against the step's verify cost, see ``core/spec_policy.py``):
-    open-ended text stops drafting. N-gram proposals are scored in the
-    shadow until it copies again; a worker drafter is asked for the policy's
-    allocation (computed when the request samples, for its next step), fed
-    each verified run, and probes a request that stopped with back-off (a
-    probe's proposal is scored in the shadow, never verified).
+    open-ended text stops drafting. Every n-gram proposal is scored in the
+    shadow, so a request that stopped drafts again once it copies; a worker
+    drafter is asked for the policy's allocation (computed when the request
+    samples, for its next step), fed each verified run, and probes a request
+    that stopped with back-off (a probe's proposal is scored in the shadow,
+    never verified).
 
     Multimodal items are planned by ``EncoderScheduler`` (see its policy): a
     window may shrink to stop before an item that cannot be encoded this
@@ -398,17 +399,14 @@ class Scheduler:
                 return []
             return drafts
         assert policy is not None
-        worth = self._worth_drafting.get(request.request_id, 0)
-        if worth == 0 and state.shadow:
-            return []  # nothing to verify, and the shadow is still scoring an earlier proposal
         proposal = _through_stop(
             propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids),
             request,
         )
-        # The whole proposal is scored against the tokens that follow, verified or not
-        # (free for a plain-Python proposer, and not cut short by the verified length).
+        # Every step's proposal, whole, is scored against the tokens the step emits, verified
+        # or not (a lookup costs microseconds; the token after the verified ones counts too).
         policy.shadow(state, proposal)
-        return proposal[:worth]
+        return proposal[: self._worth_drafting.get(request.request_id, 0)]
 
     def _num_drafts(self, request: Request) -> int:
         """How many tokens a worker drafter proposes for ``request`` after this step

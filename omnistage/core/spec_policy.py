@@ -6,11 +6,20 @@ expected to add outweigh what they add to the step's time.
 
 Model (plain arithmetic, deterministic given the cost curve):
 
-- Acceptance: draft ``j`` of a run is kept with probability ``a`` given
-  that drafts ``1..j-1`` were (a geometric run), so it is worth ``a**j``
-  expected tokens. ``a`` is estimated per request from decayed counts of
-  kept drafts and of rejections (a run whose drafts were all kept shows no
-  rejection: it was cut by ``k``, not by the model).
+- Acceptance: a run of drafts stops at its first miss, so draft ``j`` is
+  worth the chance that it and every draft before it are kept. Where a
+  draft stands predicts that far better than one rate per request: the
+  first draft after the text left its last proposal (a fresh lookup after
+  an edit, a fixed typo, a new sentence) is a guess; a draft continuing a
+  run the text is following is nearly sure. So each request keeps two
+  rates, from decayed counts of its emitted tokens scored against the
+  proposals that stood for them: ``start_rate`` for a token whose
+  predecessor was not predicted, ``next_rate`` for one whose predecessor
+  was (``in_run``). A proposal's first draft is worth the rate of where the
+  request stands, each further one ``next_rate`` times the one before.
+  (One rate mixes the two: text copied with an edit every few words reads
+  about 0.8, which drafts one or two a step at batch 8 where an oracle
+  verifies runs of eight.)
 - Cost: ``StepCost``, relative to a one-token decode step: plain decode
   steps by their row count, and what drafts add to a step by how many
   rows it has (at one row the kernels' small-row paths make the first
@@ -19,27 +28,26 @@ Model (plain arithmetic, deterministic given the cost curve):
   machine when it starts (``worker/step_costs.py``; the scheduler itself
   never times anything); the built-in default is the embedded model's on
   an AVX-512 CPU.
-- Each step the ``B`` decoding requests' draft values ``a_i**j`` are
-  sorted, and the step drafts the ``m`` best of them for the ``m`` that
-  maximizes expected tokens per unit time ``(B + sum of the m values) /
-  verify(B, m)``; no drafts unless that beats plain decoding,
-  ``B / decode(B)``, by ``min_gain``. So a low-acceptance request stops drafting, a copying one
+- Each step the ``B`` decoding requests' draft values are sorted, and the
+  step drafts the ``m`` best of them for the ``m`` that maximizes expected
+  tokens per unit time ``(B + sum of the m values) / verify(B, m)``; no
+  drafts unless that beats plain decoding, ``B / decode(B)``, by
+  ``min_gain``. So a low-acceptance request stops drafting, a copying one
   drafts up to ``k``, and at a larger batch drafts must be better to pay.
 
 Acceptance is measured in the shadow (``shadow`` / ``observe_tokens``):
 each proposal, whole, whether none, some or all of it is verified, is
-compared with the tokens the target then emits, one by one (one proposal
-at a time per request), each match counted as it is seen, so a request
-that starts copying drafts a few tokens later, not a whole proposal's
-length of one-token steps later. For greedy requests that is exactly what
-verification keeps; for sampled ones it has the same expectation (a draft
-``d`` is kept with probability ``p(d)``, and the sampled token is ``d``
-with probability ``p(d)``). So a request that stopped drafting notices at
-no cost when its text starts copying again, open-ended text pays nothing
-for being watched, and a run verified short of its proposal still counts
-the rest (a copying request reaches full-length runs after one proposal).
-The n-gram proposer is plain Python over the request's tokens, so its
-shadow is free. A drafter whose proposals cost a forward (EAGLE) is
+compared with the tokens the target then emits, one by one, until the
+next proposal takes its place. Prompt lookup proposes every decode step,
+so each step's proposal is scored against that step's tokens: its kept
+drafts, and the token after them against the proposal's next. For greedy
+requests that is exactly what verification keeps; for sampled ones it has
+the same expectation (a draft ``d`` is kept with probability ``p(d)``, and
+the sampled token is ``d`` with probability ``p(d)``). So a request that
+stopped drafting notices at no cost when its text starts copying again,
+open-ended text pays nothing for being watched, and a run verified short
+of its proposal still counts the next token. The n-gram proposer is plain Python over the request's tokens, so
+its shadow is free. A drafter whose proposals cost a forward (EAGLE) is
 not free to watch: ``observe`` takes each verified run, and a request the
 allocation leaves at zero drafts is probed (``drafter_drafts``): a
 one-draft proposal at once, then after 8, 16, ... up to 64 idle sampling
@@ -47,7 +55,7 @@ steps (exponential back-off, reset once the allocation drafts again), so a
 request whose text turns predictable is noticed; a probe kept whole is
 followed at once by a full-``k`` one, so an agreeing head reaches the
 allocation's bar in a few steps, not after idle gaps. A
-probe's proposal is scored in the shadow, like a prompt-lookup proposal,
+probe's proposal is scored in the shadow across the steps that follow,
 never verified: it costs the head's passes but no verify step (on a 2-core
 CPU a batch-8 step with one draft per row costs 1.5x a decode step, with
 four 2.9x), so a head that never agrees costs one head pass every 64 tokens
@@ -72,21 +80,20 @@ DEFAULT_VERIFY_COSTS = {
     8: ((8, 3.4), (16, 4.9), (24, 6.3), (40, 9.2)),
 }
 DEFAULT_DECODE_COSTS = ((1, 1.0), (2, 1.35), (3, 1.7), (8, 3.4))
-# Drafting must promise this much more tokens per unit time than plain decoding.
-# Set when a verify step still left the decode fast path (the dense KV view was
-# rebuilt after it, which the curve did not see: at 1.05, bench_spec measured
-# open-ended chat at 0.79x at batch 1 and copy prompts at 0.80x at batch 8).
-# Verify steps now continue the view; on a 2-core Zen 4, 1.15 and 1.3 measured
-# the same within noise (four interleaved bench_spec runs each), so it stays.
-DEFAULT_MIN_GAIN = 1.3
-# Decay of the acceptance counts per observed draft run: about the last ten
-# runs count, so a request that moves from copying to free text adapts in a
-# few steps.
+# Drafting must promise this much more tokens per unit time than plain decoding:
+# a margin for the estimates' noise. Replaying the policy over recorded bench_spec
+# outputs with the engine's step costs (2-core Zen 4), the mixed copy batch of 8
+# gained 1.18x at 1.1, 1.15x at 1.2 and 1.12x at 1.3; at 1.0 open-ended chat
+# started drafting at batch 8 (0.99x).
+DEFAULT_MIN_GAIN = 1.1
+# Decay of a rate's counts per token it is scored on: about its last five count,
+# so a request that moves from copying to free text adapts in a few tokens.
 DEFAULT_DECAY = 0.8
-# Prior counts: an unseen request starts at a = 0.5 (drafts worth trying at
-# batch 1 and at moderate batches) with the weight of two runs.
-PRIOR_ACCEPTED = 1.0
-PRIOR_REJECTED = 1.0
+# Prior counts (kept, missed), the weight of two tokens each: an unseen request's
+# first draft is a guess (0.25), a draft continuing a run likely (0.75); on the
+# recorded copy prompts, starting both at 0.5 drafted later and lost 3% at batch 8.
+PRIOR_START = (0.5, 1.5)
+PRIOR_NEXT = (1.5, 0.5)
 # A drafter's probes of a request that stopped drafting: the first idle gap
 # (in sampling steps) and the longest one (each failed probe doubles it). At 8
 # a head that never agrees is probed 4 times in a 96-token reply (at once, then
@@ -100,9 +107,12 @@ PROBE_MAX_GAP = 64
 class DraftState:
     """One request's acceptance record (lives on the ``Request``, freed with it)."""
 
-    accepted: float = PRIOR_ACCEPTED  # decayed count of kept drafts
-    rejected: float = PRIOR_REJECTED  # decayed count of rejections
-    shadow: list[int] = field(default_factory=list)  # unverified proposal being scored
+    start_kept: float = PRIOR_START[0]  # decayed counts of tokens scored while not in a run
+    start_missed: float = PRIOR_START[1]
+    next_kept: float = PRIOR_NEXT[0]  # ... and of tokens right after a predicted one
+    next_missed: float = PRIOR_NEXT[1]
+    in_run: bool = False  # the request's last token was the one its proposal predicted
+    shadow: list[int] = field(default_factory=list)  # the proposal being scored (verified or not)
     shadow_matched: int = 0  # its tokens matched so far
     num_runs: int = 0  # draft runs observed, verified or in the shadow
     probe_wait: int = 0  # drafter only: idle sampling steps left before the next probe (0: probe now)
@@ -110,10 +120,20 @@ class DraftState:
     probing: bool = False  # drafter only: the proposal asked for last is a probe (shadow-scored)
     probe_full: bool = False  # drafter only: the next probe proposes max_k drafts (else one)
 
+    @classmethod
+    def with_counts(cls, kept: float, missed: float) -> DraftState:
+        """A record with one rate, ``kept / (kept + missed)``, wherever a draft stands."""
+        return cls(start_kept=kept, start_missed=missed, next_kept=kept, next_missed=missed)
+
     @property
-    def acceptance(self) -> float:
-        """Estimated probability that a draft is kept given its predecessors were."""
-        return self.accepted / (self.accepted + self.rejected)
+    def start_rate(self) -> float:
+        """Estimated probability that a run's first draft is kept."""
+        return self.start_kept / (self.start_kept + self.start_missed)
+
+    @property
+    def next_rate(self) -> float:
+        """Estimated probability that a draft is kept given the token before it was predicted."""
+        return self.next_kept / (self.next_kept + self.next_missed)
 
 
 class StepCost:
@@ -211,11 +231,13 @@ class DraftPolicy:
     def allocate(self, states: Sequence[DraftState], caps: Sequence[int]) -> list[int]:
         """Drafts for each of a step's decoding requests (``caps[i]``: at most that many for request ``i``)."""
         num = len(states)
-        values = sorted(
-            ((state.acceptance**j, i) for i, (state, cap) in enumerate(zip(states, caps))
-             for j in range(1, min(cap, self.max_k) + 1)),
-            key=lambda v: -v[0],
-        )  # fmt: skip
+        values = []  # (the chance that a draft and all before it are kept, its request)
+        for i, (state, cap) in enumerate(zip(states, caps)):
+            value, rate = state.next_rate if state.in_run else state.start_rate, state.next_rate
+            for _ in range(min(cap, self.max_k)):
+                values.append((value, i))
+                value *= rate
+        values.sort(key=lambda v: -v[0])  # each request's values fall, so the best m are prefixes
         cost = self.step_cost
         best_m, best_rate = 0, num / cost.decode(num) * self.min_gain
         tokens = float(num)
@@ -245,6 +267,7 @@ class DraftPolicy:
             return allocated
         if state.probe_wait > 0 or state.shadow:  # not due, or the last probe is still being scored
             state.probe_wait = max(state.probe_wait - 1, 0)
+            state.in_run &= bool(state.shadow)  # an idle step's token is not scored: no run stands after it
             return 0
         state.probing = True
         state.probe_wait, state.probe_gap = state.probe_gap, min(2 * state.probe_gap, PROBE_MAX_GAP)
@@ -255,30 +278,30 @@ class DraftPolicy:
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
         """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept."""
-        self._decay(state)
-        state.accepted += num_accepted
-        state.rejected += num_accepted < num_drafts
+        for _ in range(num_accepted):
+            self._score(state, True)
+        if num_accepted < num_drafts:
+            self._score(state, False)
         state.num_runs += 1
 
     def shadow(self, state: DraftState, proposal: list[int]) -> None:
-        """Score ``proposal`` (not verified) against the tokens that follow, unless one is pending."""
-        if not state.shadow and proposal:
-            state.shadow, state.shadow_matched = list(proposal), 0
-            self._decay(state)  # the run's evidence counts as it comes in (``observe_tokens``)
+        """Score ``proposal`` (verified or not) against the tokens that follow, in place of any
+        earlier one. An empty proposal predicts nothing: the next token leaves any run."""
+        state.shadow, state.shadow_matched = list(proposal), 0
+        state.in_run &= bool(proposal)
 
     def observe_tokens(self, state: DraftState, tokens: list[int]) -> None:
         """Tokens the request just emitted (after its verified drafts, if any): they score the shadow.
 
-        Each matching token counts as a kept draft at once, not when the run ends:
-        a request that starts copying is priced up a token at a time, so it drafts
-        a few steps after its first match instead of after a whole proposal's
-        length of one-token steps."""
+        Each token counts at once, not when the run ends: a request that starts
+        copying is priced up a token at a time, so it drafts a few steps after
+        its first match instead of after a whole proposal's length of one-token
+        steps."""
         if not state.shadow:
             return
         for t in tokens:
             matched = t == state.shadow[state.shadow_matched]
-            state.accepted += matched
-            state.rejected += not matched
+            self._score(state, matched)
             state.shadow_matched += matched
             if not matched or state.shadow_matched == len(state.shadow):  # the run is over
                 if matched:  # kept whole: a drafter probes again at once, at full length
@@ -286,6 +309,11 @@ class DraftPolicy:
                 state.shadow, state.num_runs = [], state.num_runs + 1
                 return
 
-    def _decay(self, state: DraftState) -> None:
-        state.accepted *= self.decay
-        state.rejected *= self.decay
+    def _score(self, state: DraftState, kept: bool) -> None:
+        """One token against the draft that stood for it, counted where the request stood."""
+        d = self.decay
+        if state.in_run:
+            state.next_kept, state.next_missed = state.next_kept * d + kept, state.next_missed * d + (not kept)
+        else:
+            state.start_kept, state.start_missed = state.start_kept * d + kept, state.start_missed * d + (not kept)
+        state.in_run = kept

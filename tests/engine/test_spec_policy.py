@@ -29,7 +29,7 @@ def _ids(outs):
 def test_policy_shrinks_on_rejections_and_grows_on_acceptance():
     policy = DraftPolicy(max_k=6)  # the default (measured) step cost
     state = DraftState()
-    assert policy.num_drafts(state) == 0  # an unseen request (a = 0.5) starts in the shadow
+    assert policy.num_drafts(state) == 0  # an unseen request (a first draft at 0.25) starts in the shadow
     for _ in range(6):
         policy.observe(state, 6, 6)  # full runs (in the shadow or verified)
     assert policy.num_drafts(state) == 6
@@ -42,46 +42,72 @@ def test_policy_shrinks_on_rejections_and_grows_on_acceptance():
 
 def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
     linear = DraftPolicy(max_k=8, step_cost=StepCost.linear(0.05), min_gain=1.05)
-    state = DraftState(accepted=6.0, rejected=4.0)  # a = 0.6
+    state = DraftState.with_counts(6.0, 4.0)  # a = 0.6
     ks = [linear.num_drafts(state, b) for b in (1, 8, 64)]
     assert ks[0] > ks[1] > ks[2]  # the fixed cost is shared by more decodes: drafts must be better
     free = DraftPolicy(max_k=4, step_cost=StepCost({1: ((1, 1.0), (2, 1.0))}), min_gain=1.0)
-    assert free.num_drafts(DraftState(accepted=0.01), 16) == 4
-    assert DraftPolicy(max_k=4, step_cost=StepCost.linear(100.0)).num_drafts(DraftState(accepted=9.0)) == 0
+    assert free.num_drafts(DraftState.with_counts(0.01, 1.0), 16) == 4
+    assert DraftPolicy(max_k=4, step_cost=StepCost.linear(100.0)).num_drafts(DraftState.with_counts(9.0, 1.0)) == 0
     # Requests differ: the better one gets the drafts; caps are respected.
     good, bad = (
-        DraftState(accepted=9.0, rejected=1.0),
-        DraftState(accepted=1.0, rejected=9.0),
+        DraftState.with_counts(9.0, 1.0),
+        DraftState.with_counts(1.0, 9.0),
     )
     assert (
         linear.allocate([bad, good, good], [8, 8, 2]) == [0, 8, 2]
         or linear.allocate([bad, good, good], [8, 8, 2])[0] < linear.allocate([bad, good, good], [8, 8, 2])[1]
     )
-    # The default curve and margin: a = 0.5 does not pay, a = 0.95 drafts in full.
+    # The default curve and margin: an unseen request does not pay, a = 0.95 drafts in full.
     assert DraftPolicy(max_k=8).num_drafts(DraftState()) == 0
-    assert DraftPolicy(max_k=8).num_drafts(DraftState(accepted=19.0, rejected=1.0)) == 8
+    assert DraftPolicy(max_k=8).num_drafts(DraftState.with_counts(19.0, 1.0)) == 8
     with pytest.raises(ValueError, match="increasing tokens"):
         StepCost({2: ((2, 1.0), (1, 2.0))})
 
 
 def test_shadow_scores_a_proposal_against_the_tokens_that_follow():
     policy = DraftPolicy(max_k=4)
-    state = DraftState(accepted=0.0, rejected=1.0)
-    policy.shadow(state, [5, 6, 7])
-    policy.shadow(state, [9, 9])  # one pending at a time: ignored
-    policy.observe_tokens(state, [5])
-    policy.observe_tokens(state, [6])
+    d = policy.decay
+    state = DraftState.with_counts(0.0, 1.0)
+    policy.shadow(state, [9, 9])
+    policy.shadow(state, [5, 6, 7])  # the newest proposal takes the place of the last
+    policy.observe_tokens(state, [5])  # the first token outside a run: a start, kept
+    assert (state.start_kept, state.start_missed, state.in_run) == (1.0, d, True)
+    policy.observe_tokens(state, [6])  # right after a predicted one: counted as a next
     assert state.shadow == [5, 6, 7] and state.num_runs == 0
-    # Each match counts at once (the prior decayed when the proposal was taken): the
-    # estimate rises while the run is still being scored.
-    assert (state.accepted, state.rejected) == (2.0, 1.0 * policy.decay)
-    policy.observe_tokens(state, [8])  # mismatch at the third: 2 kept, one rejection
-    assert state.shadow == [] and state.num_runs == 1
-    assert (state.accepted, state.rejected) == (2.0, 1.0 * policy.decay + 1.0)
+    # Each token counts at once: the estimate rises while the run is still being scored.
+    assert (state.next_kept, state.next_missed) == (1.0, d)
+    policy.observe_tokens(state, [8])  # mismatch at the third: the run ends, outside a run again
+    assert state.shadow == [] and state.num_runs == 1 and not state.in_run
+    assert (state.next_kept, state.next_missed) == (d, d * d + 1.0)
     policy.shadow(state, [1, 2])
-    policy.observe_tokens(state, [1, 2, 3])  # all matched: no rejection counted
-    assert state.shadow == [] and state.num_runs == 2
-    assert state.rejected == (1.0 * policy.decay + 1.0) * policy.decay
+    policy.observe_tokens(state, [1, 2, 3])  # all matched (the 3 is past it): no miss counted
+    assert state.shadow == [] and state.num_runs == 2 and state.in_run
+    assert (state.start_kept, state.start_missed) == (d + 1.0, d * d)
+    policy.shadow(state, [])  # nothing proposed: the next token leaves the run
+    assert not state.in_run
+
+
+def test_drafts_are_priced_by_where_the_request_stands_in_a_run():
+    """Text copied with an edit every so often: a run's first draft is a guess, the rest
+    are nearly sure. Two rates draft nothing at a run's start and more the longer the
+    run goes on; one rate over the same tokens cannot tell the two apart."""
+    policy = DraftPolicy(max_k=8)  # the default (measured) step cost
+    state = DraftState()
+    for _ in range(6):  # a run of 15 kept after its start, then an edit; a fresh lookup that misses
+        policy.shadow(state, [1] * 16)
+        policy.observe_tokens(state, [1] * 15 + [2])
+        policy.shadow(state, [1] * 16)
+        policy.observe_tokens(state, [2])
+    assert state.start_rate < 0.5 < 0.75 < state.next_rate and not state.in_run
+    at_start = policy.num_drafts(state, 8)
+    in_run = []
+    policy.shadow(state, [1] * 16)
+    for _ in range(5):
+        policy.observe_tokens(state, [1])
+        in_run.append(policy.num_drafts(state, 8))
+    assert at_start == 0 < in_run[0] and in_run == sorted(in_run) and in_run[-1] >= 4
+    one_rate = DraftState.with_counts(6 * 16.0, 6 * 2.0)  # every token above, kept or missed
+    assert policy.num_drafts(one_rate, 8) > 0  # at a start too: about one in two of those drafts is wasted
 
 
 # -- the policy in the engine -------------------------------------------------------
@@ -130,7 +156,7 @@ def test_copying_text_keeps_full_drafts(copying):  # noqa: F811 (the imported fi
     assert _ids([out]) == off
     m, k = out.metrics, NGRAM["num_speculative_tokens"]
     assert m.draft_acceptance_rate > 0.9
-    # The shadow's record grows from the prior (a = 0.5, not worth drafting), then
+    # The shadow's record grows from the prior (not worth drafting), then
     # full-length runs until max_tokens caps the last ones.
     full = runs.index(k)
     assert full <= 8

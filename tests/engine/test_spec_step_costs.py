@@ -87,14 +87,14 @@ def test_a_draft_is_priced_by_the_rows_it_joins():
     # Between the measured row counts the drafts' extra time is interpolated: 4 rows, 2 drafts.
     assert cost.verify(4, 2) == pytest.approx(cost.decode(4) + 2.0 + (0.25 - 2.0) * 3 / 7)
     policy = DraftPolicy(max_k=1, step_cost=cost, min_gain=1.0)
-    state = DraftState(accepted=6.0, rejected=4.0)  # a = 0.6
+    state = DraftState.with_counts(6.0, 4.0)  # a = 0.6
     assert policy.num_drafts(state, batch_size=1) == 0  # 1.6 tokens in 2 steps
     assert policy.num_drafts(state, batch_size=8) == 1  # 8 * 1.6 tokens in 5 / 4 steps
     # A step's token count alone would read a draft joining 8 rows off the one-row curve
     # at 9 tokens (here cheaper than the 8-row decode step): drafts that are never kept
     # would look free. Priced by the rows they join, they never pay.
     one_row_9 = StepCost({1: ((1, 1.0), (9, 3.0)), 8: ((8, 4.0), (16, 5.0))}, ((1, 1.0), (8, 4.0)))
-    never_kept = DraftState(accepted=0.0, rejected=5.0)
+    never_kept = DraftState.with_counts(0.0, 5.0)
     assert DraftPolicy(max_k=4, step_cost=one_row_9, min_gain=1.0).allocate([never_kept] * 8, [4] * 8) == [0] * 8
     with pytest.raises(ValueError, match="increasing tokens"):
         StepCost({1: ((1, 1.0), (2, 1.0))}, ((2, 1.0), (1, 1.0)))
