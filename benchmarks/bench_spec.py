@@ -32,8 +32,9 @@ both emit the same tokens, which is checked):
    prices drafts by (``worker/step_costs.py``; those leave the engine's own
    per-step Python out, so they read higher: about 10% at ``k = 8``).
 
-The two sides of a pair run the same prompts side by side, a few engine
-steps of each in turn (alternating which goes first), so a burst of load on a
+Each row runs on two new engines, warmed alike (an engine's history moved
+its speed by a tenth here). The two sides of a pair run the same prompts
+side by side, a few engine steps of each in turn (alternating which goes first), so a burst of load on a
 shared machine, which here slows every step by a fifth for seconds at a
 time, hits both sides alike; each measurement is repeated ``--repeat``
 times. Ratios are medians of the per-pair ratios, with their min..max
@@ -257,32 +258,31 @@ def main() -> None:
     load_before = os.getloadavg()
 
     loaded = load_model(None)
-    off = LLMEngine(EngineArgs(), loaded_model=loaded)
-    on = LLMEngine(EngineArgs(speculative_config=NGRAM), loaded_model=loaded)
     head = write_tiny_eagle_head(loaded.model_path, Path(tempfile.mkdtemp(prefix="bench_spec_eagle_")) / "head")
     eagle_cfg = {"method": "eagle", "model": str(head), "num_speculative_tokens": 4}
-    eagle = LLMEngine(EngineArgs(speculative_config=eagle_cfg), loaded_model=loaded)
-    engines = {"ngram": on, "eagle-rand": eagle}
+    configs = {"ngram": NGRAM, "eagle-rand": eagle_cfg}
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
-    warm = [off.encode_chat([{"role": "user", "content": f"Say hi #{i}"}]) for i in range(2)]
-    for eng in (off, on, eagle):
-        run(
-            eng,
-            warm,
-            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-            "warm",
-        )
+
+    def fresh(spec_config: dict | None = None) -> LLMEngine:
+        """A warmed engine on the loaded weights. Each row's two sides start equal: an engine that
+        had run the copy rows decoded chat a tenth faster than a new one here, which read the
+        random-head row (its engine new at batch 8) at 0.80x, run first at 0.96x."""
+        engine = LLMEngine(EngineArgs(speculative_config=spec_config), loaded_model=loaded)
+        warm = [engine.encode_chat([{"role": "user", "content": f"Say hi #{i}"}]) for i in range(2)]
+        run(engine, warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), "warm")
+        return engine
 
     rows = []
     shapes = [(m, kind, b) for m, kind in (("ngram", "copy"), ("ngram", "chat"), ("eagle-rand", "chat")) for b in (1, 8)]
     shapes[2:2] = [("ngram", f"copy:{task}", 8) for task in COPY_TASKS]  # what bounds the mixed batch
     for method, kind, batch in shapes:
+        off, spec_engine = fresh(), fresh(configs[method])
         tps = {False: [], True: []}
         ratios, bounds, same, drafts, accepted, runs, tokens = [], [], True, 0, 0, 0, 0
         for r in range(reps):
             prompts = prompts_for(off, kind, batch, r)
             order = (False, True) if r % 2 == 0 else (True, False)
-            side = run_side_by_side([engines[method] if spec else off for spec in order], prompts, params,
+            side = run_side_by_side([spec_engine if spec else off for spec in order], prompts, params,
                                     f"{method}{kind}{batch}-{r}")  # fmt: skip
             got = {}
             for spec, (rate, outs) in zip(order, side):
@@ -291,7 +291,7 @@ def main() -> None:
             ratios.append(tps[True][-1] / tps[False][-1])
             same &= [o.outputs[0].token_ids for o in got[True]] == [o.outputs[0].token_ids for o in got[False]]
             if method == "ngram":
-                bounds.append(ceiling(on.scheduler.draft_policy.step_cost, prompts, got[False]))
+                bounds.append(ceiling(spec_engine.scheduler.draft_policy.step_cost, prompts, got[False]))
             for o in got[True]:
                 m = o.metrics
                 drafts, accepted, runs = (
@@ -303,6 +303,7 @@ def main() -> None:
         rows.append((method, kind, batch, tps, ratios, bounds, same, drafts, accepted, runs, tokens))
 
     cost_steps, cost_reps = (6, 1) if args.quick else (12, 2)
+    on = fresh(NGRAM)
     costs = {b: verify_cost(on, b, cost_steps, cost_reps) for b in (1, 8)}
     load_after = os.getloadavg()
 
