@@ -34,9 +34,9 @@ both emit the same tokens, which is checked):
 
 Each row runs on two new engines, warmed alike (an engine's history moved
 its speed by a tenth here). The two sides of a pair run the same prompts
-side by side, a few engine steps of each in turn (alternating which goes first), so a burst of load on a
-shared machine, which here slows every step by a fifth for seconds at a
-time, hits both sides alike; each measurement is repeated ``--repeat``
+side by side, a few engine steps of each in turn (alternating which goes
+first), so a burst of load on a shared machine, which here slows every
+step by a fifth for seconds at a time, hits both sides alike; each measurement is repeated ``--repeat``
 times. Ratios are medians of the per-pair ratios, with their min..max
 spread; ``uptime`` load is printed before and after. Decode tokens/s counts
 the tokens after each request's first over the engine's own step time from

@@ -37,29 +37,29 @@ Model (plain arithmetic, deterministic given the cost curve):
 
 Acceptance is measured in the shadow (``shadow`` / ``observe_tokens``):
 each proposal, whole, whether none, some or all of it is verified, is
-compared with the tokens the target then emits, one by one, until the
-next proposal takes its place. Prompt lookup proposes every decode step,
-so each step's proposal is scored against that step's tokens: its kept
+compared with the tokens the target then emits, one by one, until the next
+proposal takes its place. Prompt lookup proposes every decode step, so
+each step's proposal is scored against that step's tokens: its kept
 drafts, and the token after them against the proposal's next. For greedy
 requests that is exactly what verification keeps; for sampled ones it has
 the same expectation (a draft ``d`` is kept with probability ``p(d)``, and
 the sampled token is ``d`` with probability ``p(d)``). So a request that
 stopped drafting notices at no cost when its text starts copying again,
 open-ended text pays nothing for being watched, and a run verified short
-of its proposal still counts the next token. The n-gram proposer is plain Python over the request's tokens, so
-its shadow is free. A drafter whose proposals cost a forward (EAGLE) is
-not free to watch: ``observe`` takes each verified run, and a request the
-allocation leaves at zero drafts is probed (``drafter_drafts``): a
-one-draft proposal at once, then after 8, 16, ... up to 64 idle sampling
-steps (exponential back-off, reset once the allocation drafts again), so a
-request whose text turns predictable is noticed; a probe kept whole is
-followed at once by a full-``k`` one, so an agreeing head reaches the
-allocation's bar in a few steps, not after idle gaps. A
-probe's proposal is scored in the shadow across the steps that follow,
-never verified: it costs the head's passes but no verify step (on a 2-core
-CPU a batch-8 step with one draft per row costs 1.5x a decode step, with
-four 2.9x), so a head that never agrees costs one head pass every 64 tokens
-at most.
+of its proposal still counts the next token. The n-gram proposer is plain
+Python over the request's tokens, so its shadow is free. A drafter whose
+proposals cost a forward (EAGLE) is not free to watch: ``observe`` takes
+each verified run, and a request the allocation leaves at zero drafts is
+probed (``drafter_drafts``): a one-draft proposal at once, then after 8,
+16, ... up to 64 idle sampling steps (exponential back-off, reset once the
+allocation drafts again), so a request whose text turns predictable is
+noticed; a probe kept whole is followed at once by a full-``k`` one, so an
+agreeing head reaches the allocation's bar in a few steps, not after idle
+gaps. A probe's proposal is scored in the shadow across the steps that
+follow, never verified: it costs the head's passes but no verify step (on
+a 2-core CPU a batch-8 step with one draft per row costs 1.5x a decode
+step, with four 2.9x), so a head that never agrees costs one head pass
+every 64 tokens at most.
 """
 
 from __future__ import annotations
@@ -114,7 +114,6 @@ class DraftState:
     in_run: bool = False  # the request's last token was the one its proposal predicted
     shadow: list[int] = field(default_factory=list)  # the proposal being scored (verified or not)
     shadow_matched: int = 0  # its tokens matched so far
-    num_runs: int = 0  # draft runs observed, verified or in the shadow
     probe_wait: int = 0  # drafter only: idle sampling steps left before the next probe (0: probe now)
     probe_gap: int = PROBE_FIRST_GAP  # drafter only: the idle gap after the next probe
     probing: bool = False  # drafter only: the proposal asked for last is a probe (shadow-scored)
@@ -282,7 +281,6 @@ class DraftPolicy:
             self._score(state, True)
         if num_accepted < num_drafts:
             self._score(state, False)
-        state.num_runs += 1
 
     def shadow(self, state: DraftState, proposal: list[int]) -> None:
         """Score ``proposal`` (verified or not) against the tokens that follow, in place of any
@@ -306,7 +304,7 @@ class DraftPolicy:
             if not matched or state.shadow_matched == len(state.shadow):  # the run is over
                 if matched:  # kept whole: a drafter probes again at once, at full length
                     state.probe_wait, state.probe_gap, state.probe_full = 0, PROBE_FIRST_GAP, True
-                state.shadow, state.num_runs = [], state.num_runs + 1
+                state.shadow = []
                 return
 
     def _score(self, state: DraftState, kept: bool) -> None:
