@@ -193,7 +193,7 @@ def test_disconnects_abort_their_requests(server: Server) -> None:
     server.wait_idle()
     before = server.engine_stats().num_generated_tokens
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.v1 + "/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.2))
+        httpx.post(server.v1 + "/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.05))
     with httpx.stream("POST", server.v1 + "/chat/completions", json={**body, "stream": True}, timeout=60) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i >= 4:
