@@ -13,10 +13,12 @@ both emit the same tokens, which is checked):
    draft its neighbours verify lengthens its steps. So each copy task is
    also run alone at batch 8 (``copy:<task>``, no target), to show which
    tasks copy and how far a batch that copies throughout goes. Beside each
-   prompt-lookup row, its ceiling: the speed-up of a draft policy that knew
-   the future (each step verifies exactly the drafts the model then emits,
-   never a rejected one), modelled with the engine's own step costs on the
-   same outputs (``ceiling``);
+   prompt-lookup row, its ceiling, measured: a third engine runs the same
+   prompts side by side with the other two, and each of its steps verifies
+   exactly the prompt-lookup drafts the model then emits, never a rejected
+   one (the outputs known from a run of the same prompts on a separate
+   engine). It is what knowing which drafts will be kept would win
+   (``ceiling``);
 2. open-ended chat prompts at batch 1 and 8 (target 0.97x: never a slowdown),
    with ``ngram`` and with ``eagle`` and a random head (written here with the
    model's width: it agrees with the model almost never, so the row shows
@@ -60,7 +62,6 @@ from pathlib import Path
 import torch
 
 from omnistage.core.spec_decode import propose_ngram
-from omnistage.core.spec_policy import StepCost
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.engine.stage_engine import LLMEngine
 from omnistage.models.loader import load_model
@@ -167,30 +168,23 @@ def run_side_by_side(
     return results
 
 
-def ceiling(cost: StepCost, prompts: list[dict], outs: list) -> float:
-    """The most prompt lookup could win on this batch: each step verifies exactly the
-    drafts the model then emits (the ``NGRAM`` proposal cut at its first miss), no
-    rejected one ever, priced by the engine's own step-cost curves; as the modelled
-    time of the speculation-off steps over that of those. Greedy outputs of the
-    speculation-off run, so both step sequences emit the same tokens."""
-    plans = []  # per request: drafts kept at each of its steps
-    for prompt, out in zip(prompts, outs):
-        history, ids, kept, pos = prompt["prompt_token_ids"], out.outputs[0].token_ids, [], 1
-        while pos < len(ids):
-            draft = propose_ngram(
-                history + ids[:pos], NGRAM["num_speculative_tokens"], NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]
-            )
-            n = next((j for j, t in enumerate(draft) if pos + j >= len(ids) or t != ids[pos + j]), len(draft))
-            kept.append(n)
-            pos += n + 1
-        plans.append(kept)
-    lengths = [len(o.outputs[0].token_ids) - 1 for o in outs]
-    plain = sum(cost.decode(sum(n > s for n in lengths)) for s in range(max(lengths)))
-    oracle = 0.0
-    for s in range(max(map(len, plans))):
-        kept = [p[s] for p in plans if len(p) > s]
-        oracle += cost.verify(len(kept), sum(kept))
-    return plain / oracle
+def propose_what_is_kept(engine: LLMEngine, futures: list[list[int]]) -> None:
+    """Make ``engine`` the ceiling's: each decode step proposes the ``NGRAM`` lookup cut at
+    its first token the model does not then emit, so every draft verified is kept and
+    every one that would be kept is verified. ``futures[i]``: prompt ``i``'s greedy output
+    (request ids end in ``-i``, as :func:`run_side_by_side` names them)."""
+
+    def propose(request, n, budget):
+        if n != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        future = futures[int(request.request_id.rsplit("-", 1)[1])][request.num_output_tokens :]
+        k = min(NGRAM["num_speculative_tokens"], budget - 1, len(future) - 1)
+        if k < 1:
+            return []
+        drafts = propose_ngram(request.all_token_ids, k, NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"])
+        return drafts[: next((j for j, t in enumerate(drafts) if t != future[j]), len(drafts))]
+
+    engine.scheduler._propose = propose
 
 
 def verify_cost(engine: LLMEngine, batch: int, steps: int, reps: int) -> list[float]:
@@ -275,24 +269,31 @@ def main() -> None:
     rows = []
     shapes = [(m, kind, b) for m, kind in (("ngram", "copy"), ("ngram", "chat"), ("eagle-rand", "chat")) for b in (1, 8)]
     shapes[2:2] = [("ngram", f"copy:{task}", 8) for task in COPY_TASKS]  # what bounds the mixed batch
+    recorder = fresh()  # the ceiling's futures: each prompt set's greedy outputs, before it is measured
     for method, kind, batch in shapes:
-        off, spec_engine = fresh(), fresh(configs[method])
-        tps = {False: [], True: []}
+        engines = {"off": fresh(), "spec": fresh(configs[method])}
+        if method == "ngram":
+            engines["ceiling"] = fresh(NGRAM)
+        tps = {name: [] for name in engines}
         ratios, bounds, same, drafts, accepted, runs, tokens = [], [], True, 0, 0, 0, 0
         for r in range(reps):
-            prompts = prompts_for(off, kind, batch, r)
-            order = (False, True) if r % 2 == 0 else (True, False)
-            side = run_side_by_side([spec_engine if spec else off for spec in order], prompts, params,
-                                    f"{method}{kind}{batch}-{r}")  # fmt: skip
+            tag = f"{method}{kind}{batch}-{r}"
+            prompts = prompts_for(recorder, kind, batch, r)
+            if "ceiling" in engines:
+                _, recorded = run(recorder, prompts, params, f"{tag}-rec")
+                propose_what_is_kept(engines["ceiling"], [o.outputs[0].token_ids for o in recorded])
+            names = list(engines)
+            order = names[r % len(names) :] + names[: r % len(names)]  # who goes first rotates
+            side = run_side_by_side([engines[name] for name in order], prompts, params, tag)
             got = {}
-            for spec, (rate, outs) in zip(order, side):
-                tps[spec].append(rate)
-                got[spec] = outs
-            ratios.append(tps[True][-1] / tps[False][-1])
-            same &= [o.outputs[0].token_ids for o in got[True]] == [o.outputs[0].token_ids for o in got[False]]
-            if method == "ngram":
-                bounds.append(ceiling(spec_engine.scheduler.draft_policy.step_cost, prompts, got[False]))
-            for o in got[True]:
+            for name, (rate, outs) in zip(order, side):
+                tps[name].append(rate)
+                got[name] = [o.outputs[0].token_ids for o in outs]
+            ratios.append(tps["spec"][-1] / tps["off"][-1])
+            if "ceiling" in engines:
+                bounds.append(tps["ceiling"][-1] / tps["off"][-1])
+            same &= all(ids == got["off"] for ids in got.values())
+            for o in side[order.index("spec")][1]:
                 m = o.metrics
                 drafts, accepted, runs = (
                     drafts + m.num_draft_tokens,
@@ -321,12 +322,12 @@ def main() -> None:
         mean_len = f"{1 + accepted / runs:.2f}" if runs else "-"
         bound = f"{statistics.median(bounds):.2f}x" if bounds else "-"
         print(
-            f"{method:<11}{kind:<14}{batch:>6}{statistics.median(tps[False]):>11.1f}{statistics.median(tps[True]):>13.1f}"
+            f"{method:<11}{kind:<14}{batch:>6}{statistics.median(tps['off']):>11.1f}{statistics.median(tps['spec']):>13.1f}"
             f"{ratio:>7.2f}x{f'{min(ratios):.2f}..{max(ratios):.2f}':>14}{verdict[0]:>8}  "
             f"{verdict[1]:<3}{bound:>9}{rate:>8}{mean_len:>9}{drafts / max(tokens, 1):>12.2f}  {same}"
         )
     print("copy:<task>: eight requests of that one copy task (no target; they show what bounds the mixed batch)")
-    print("ceiling: modelled speed-up if every step verified exactly the drafts the model then emits (median)")
+    print("ceiling: measured speed-up of an engine verifying exactly the drafts the model then emits (median)")
     print("accept = accepted / verified drafts; mean len = tokens emitted per verify run (1 + accepted / runs)")
     print("\nverify cost: step time with k drafts / a one-token decode step (medians), and what the")
     print("engine measured for the same steps when it started (worker/step_costs.py; its draft policy's prices)")
