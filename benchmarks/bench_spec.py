@@ -34,12 +34,12 @@ both emit the same tokens, which is checked):
    prices drafts by (``worker/step_costs.py``; those leave the engine's own
    per-step Python out, so they read higher: about 10% at ``k = 8``).
 
-Each row runs on two new engines, warmed alike (an engine's history moved
-its speed by a tenth here). The two sides of a pair run the same prompts
-side by side, a few engine steps of each in turn (alternating which goes
-first), so a burst of load on a shared machine, which here slows every
-step by a fifth for seconds at a time, hits both sides alike; each measurement is repeated ``--repeat``
-times. Ratios are medians of the per-pair ratios, with their min..max
+Each row runs on new engines, warmed alike (an engine's history moved its
+speed by a tenth here): off and spec, and for prompt lookup the ceiling's.
+They run the same prompts side by side, a few engine steps of each in turn
+(rotating which goes first), so a burst of load on a shared machine, which
+here slows every step by a fifth for seconds at a time, hits them alike;
+each measurement is repeated ``--repeat`` times. Ratios are medians of the per-pair ratios, with their min..max
 spread; ``uptime`` load is printed before and after. Decode tokens/s counts
 the tokens after each request's first over the engine's own step time from
 the step that gave the last first token to the last finish.
@@ -258,7 +258,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
 
     def fresh(spec_config: dict | None = None) -> LLMEngine:
-        """A warmed engine on the loaded weights. Each row's two sides start equal: an engine that
+        """A warmed engine on the loaded weights. Each row's engines start equal: an engine that
         had run the copy rows decoded chat a tenth faster than a new one here, which read the
         random-head row (its engine new at batch 8) at 0.80x, run first at 0.96x."""
         engine = LLMEngine(EngineArgs(speculative_config=spec_config), loaded_model=loaded)

@@ -105,6 +105,14 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    def _is_eos(self, token: int) -> bool:
+        return not self.sampling_params.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id
+
+    def is_stop_token(self, token: int) -> bool:
+        """Whether ``token`` stops this request (EOS unless ignored, or a stop token id),
+        ``min_tokens`` aside."""
+        return self._is_eos(token) or token in self.sampling_params.stop_token_ids
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status the last output token calls for, or None.
 
@@ -115,7 +123,7 @@ class Request:
         sp = self.sampling_params
         token = self.output_token_ids[-1]
         if self.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id:
+            if self._is_eos(token):
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 self.stop_reason = token

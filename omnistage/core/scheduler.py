@@ -619,9 +619,7 @@ def _through_stop(drafts: list[int], request: Request) -> list[int]:
     it ends the request; rejected (also when ``min_tokens`` holds it back), so
     are the drafts after it. A copy ending in the prompt's end-of-turn token
     would otherwise draft the chat template after it."""
-    params = request.sampling_params
-    eos = None if params.ignore_eos else request.eos_token_id
     for i, token in enumerate(drafts):
-        if token == eos or token in params.stop_token_ids:
+        if request.is_stop_token(token):
             return drafts[: i + 1]
     return drafts
