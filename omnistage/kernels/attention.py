@@ -6,6 +6,8 @@ softmax, a mask and the layout copies around them; the kernel
 (``csrc/decode_attention.cpp``) does each (KV head, query token) pair's
 scores, softmax and weighted sum in one pass over its own sequence's keys up
 to its own position, so neither ragged lengths nor causality need a mask.
+Query heads that share a KV head go together: each key and value is read
+once for all of them, and each head's arithmetic is what it would be alone.
 Results differ from torch's in summation order and ``exp`` rounding only,
 and a token's result does not depend on the other tokens of its step.
 """

@@ -25,7 +25,8 @@ def reference(query, keys, values, seq_lens, scale):
 
 
 @pytest.mark.parametrize("dim", [32, 64, 128])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+# Groups of 1, 3, 5, 6 and 7 query heads per KV head: the kernel takes heads four (two at dim 128) at a time.
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (10, 2), (12, 2), (14, 2)])
 def test_matches_fp64_attention_over_each_sequence_length(dim, heads, kv_heads):
     gen = torch.Generator().manual_seed(dim + heads)
     seqs, capacity = 5, 80
@@ -51,6 +52,23 @@ def test_matches_fp64_attention_over_each_sequence_length(dim, heads, kv_heads):
         for h in range(heads)
     )
     assert (got.double() - want).abs().max() <= 4 * torch_err + 1e-6
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_query_heads_sharing_a_kv_head_get_the_bits_they_would_alone(dim):
+    # Heads that share a KV head are computed together, reading each key once: each must come out
+    # bit for bit as with a KV head of its own (keys past a multiple of 16 summed one by one).
+    gen = torch.Generator().manual_seed(dim)
+    heads, kv_heads, seqs = 7, 1, 3
+    query = torch.randn(heads, seqs, dim, generator=gen)
+    keys, values = torch.randn(2, kv_heads, seqs, 50, dim, generator=gen)
+    seq_lens = torch.tensor([5, 32, 50])
+    shared = native_decode_attention(query, keys, values, seq_lens, dim**-0.5)
+    own = native_decode_attention(
+        query, keys.expand(heads, -1, -1, -1).contiguous(), values.expand(heads, -1, -1, -1).contiguous(),
+        seq_lens, dim**-0.5,
+    )
+    assert shared is not None and torch.equal(shared, own)
 
 
 def test_large_scores_do_not_overflow():

@@ -15,37 +15,101 @@
 
 namespace {
 
-// One query head (NC chunks of 16 dims) over len keys/values; weights is scratch of >= len (+15).
-template <int NC>
-void attend(const float* q, const float* keys, const float* values, long len, float scale, float* weights,
-            float* out) {
+// Query heads sharing a KV head are done G at a time, so each key and value is read once for
+// all G: up to 4, and G * NC <= 16 (their G * NC value sums stay in registers).
+constexpr int kMaxHeads = 4;
+constexpr int heads_at_once(int nc) { return 16 / nc < kMaxHeads ? 16 / nc : kMaxHeads; }
+
+// G consecutive query heads of one KV head (NC chunks of 16 dims) over len keys/values. Head g's
+// query is q + g * q_head_stride, its output out + g * NC * 16; weights is scratch of
+// >= G * (len + 16). Each head's arithmetic is what it would be alone, in the same order.
+template <int NC, int G>
+void attend(const float* q, long q_head_stride, const float* keys, const float* values, long len, float scale,
+            float* weights, float* out) {
     using namespace simd;
     constexpr long D = NC * 16;
-    vf qv[NC];
-    for (int c = 0; c < NC; c++) qv[c] = load(q + 16 * c);
-    float top = -INFINITY;
+    const long stride = len + 16;
+    // Scores, 16 keys at a time: each key's dot product as 16 lane partial sums, the 16 keys'
+    // folded together by reduce_add16 (the additions reduce_add would make, batched). The block's
+    // keys stay in L1 while the G heads read them; each head's query is reloaded from there too
+    // (all G in registers beside 16 sums would spill).
+    const long blocked = len - len % 16;
+    const vf scale16 = set1(scale);
+    vf highest[G];
+    for (int g = 0; g < G; g++) highest[g] = set1(-INFINITY);
+    for (long j = 0; j < blocked; j += 16) {
+        for (int g = 0; g < G; g++) {
+            vf qv[NC], dots[16];
+            for (int c = 0; c < NC; c++) qv[c] = load(q + g * q_head_stride + 16 * c);
+            for (int i = 0; i < 16; i++) {
+                const float* key = keys + (j + i) * D;
+                dots[i] = mul(qv[0], load(key));
+                for (int c = 1; c < NC; c++) dots[i] = fmadd(qv[c], load(key + 16 * c), dots[i]);
+            }
+            const vf w = mul(reduce_add16(dots), scale16);
+            store(weights + g * stride + j, w);
+            highest[g] = max(highest[g], w);
+        }
+    }
+    float top[G];
+    for (int g = 0; g < G; g++) {
+        const float* qg = q + g * q_head_stride;
+        float* wg = weights + g * stride;
+        top[g] = reduce_max(highest[g]);
+        for (long j = blocked; j < len; j++) {  // the last len % 16 keys one by one
+            vf acc = mul(load(qg), load(keys + j * D));
+            for (int c = 1; c < NC; c++) acc = fmadd(load(qg + 16 * c), load(keys + j * D + 16 * c), acc);
+            wg[j] = reduce_add(acc) * scale;
+            top[g] = fmaxf(top[g], wg[j]);
+        }
+    }
+    float norm[G];
+    for (int g = 0; g < G; g++) {
+        float* wg = weights + g * stride;
+        vf total = zero();
+        const vf shift = set1(top[g]);
+        for (long j = 0; j < len; j += 16) {
+            const tail live = first(len - j);
+            const vf e = keep(live, exp_ps(sub(load(wg + j, live), shift)));
+            store(wg + j, live, e);
+            total = add(total, e);
+        }
+        norm[g] = reduce_add(total);
+    }
+    // Weighted values: each value row loaded once for the G heads.
+    vf acc[G][NC];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NC; c++) acc[g][c] = zero();
     for (long j = 0; j < len; j++) {
-        vf acc = mul(qv[0], load(keys + j * D));
-        for (int c = 1; c < NC; c++) acc = fmadd(qv[c], load(keys + j * D + 16 * c), acc);
-        weights[j] = reduce_add(acc) * scale;
-        top = fmaxf(top, weights[j]);
+        vf row[NC];
+        for (int c = 0; c < NC; c++) row[c] = load(values + j * D + 16 * c);
+        for (int g = 0; g < G; g++) {
+            const vf w = set1(weights[g * stride + j]);
+            for (int c = 0; c < NC; c++) acc[g][c] = fmadd(w, row[c], acc[g][c]);
+        }
     }
-    vf total = zero();
-    const vf shift = set1(top);
-    for (long j = 0; j < len; j += 16) {
-        const tail live = first(len - j);
-        const vf e = keep(live, exp_ps(sub(load(weights + j, live), shift)));
-        store(weights + j, live, e);
-        total = add(total, e);
+    for (int g = 0; g < G; g++) {
+        const vf n = set1(norm[g]);
+        for (int c = 0; c < NC; c++) store(out + g * D + 16 * c, div(acc[g][c], n));
     }
-    vf acc[NC];
-    for (int c = 0; c < NC; c++) acc[c] = zero();
-    for (long j = 0; j < len; j++) {
-        const vf w = set1(weights[j]);
-        for (int c = 0; c < NC; c++) acc[c] = fmadd(w, load(values + j * D + 16 * c), acc[c]);
+}
+
+// n consecutive query heads of one KV head, G at a time, then the rest together.
+template <int NC, int G = heads_at_once(NC)>
+void attend_heads(const float* q, long q_head_stride, const float* keys, const float* values, long len,
+                  float scale, float* weights, float* out, long n) {
+    constexpr long D = NC * 16;
+    long h = 0;
+    for (; h + G <= n; h += G)
+        attend<NC, G>(q + h * q_head_stride, q_head_stride, keys, values, len, scale, weights, out + h * D);
+    const float* qh = q + h * q_head_stride;
+    float* oh = out + h * D;
+    switch (n - h) {
+        case 1: attend<NC, 1>(qh, q_head_stride, keys, values, len, scale, weights, oh); break;
+        case 2: if constexpr (G > 2) attend<NC, 2>(qh, q_head_stride, keys, values, len, scale, weights, oh); break;
+        case 3: if constexpr (G > 3) attend<NC, 3>(qh, q_head_stride, keys, values, len, scale, weights, oh); break;
+        default: break;
     }
-    const vf norm = set1(reduce_add(total));
-    for (int c = 0; c < NC; c++) store(out + 16 * c, div(acc[c], norm));
 }
 
 }  // namespace
@@ -71,14 +135,12 @@ extern "C" int decode_attention(const float* q, long q_seq_stride, long q_head_s
                 const long row = kv_rows != nullptr ? kv_rows[r] : r;
                 const float* keys = k + kvh * kv_head_stride + row * kv_seq_stride;
                 const float* values = v + kvh * kv_head_stride + row * kv_seq_stride;
-                weights.resize(len + 16);
-                for (long h = kvh * group; h < (kvh + 1) * group; h++) {
-                    const float* qh = q + r * q_seq_stride + h * q_head_stride;
-                    float* o = out + (r * H + h) * D;
-                    if (D == 32) attend<2>(qh, keys, values, len, scale, weights.data(), o);
-                    else if (D == 64) attend<4>(qh, keys, values, len, scale, weights.data(), o);
-                    else attend<8>(qh, keys, values, len, scale, weights.data(), o);
-                }
+                weights.resize(kMaxHeads * (len + 16));
+                const float* qh = q + r * q_seq_stride + kvh * group * q_head_stride;
+                float* oh = out + (r * H + kvh * group) * D;
+                if (D == 32) attend_heads<2>(qh, q_head_stride, keys, values, len, scale, weights.data(), oh, group);
+                else if (D == 64) attend_heads<4>(qh, q_head_stride, keys, values, len, scale, weights.data(), oh, group);
+                else attend_heads<8>(qh, q_head_stride, keys, values, len, scale, weights.data(), oh, group);
             }
         }
     }

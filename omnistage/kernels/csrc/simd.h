@@ -38,6 +38,26 @@ inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c -
 inline vf round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
 inline vf scale_by_pow2(vf a, vf n) { return _mm512_scalef_ps(a, n); }  // a * 2^n, n integral
 inline float reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+// Lane i: reduce_add(v[i]), for 16 vectors at once. Each sum is made of the very additions
+// reduce_add makes (GCC's order: lanes l and l + 8, then l and l + 4, l and l + 2, l and l + 1;
+// x + y and y + x are the same bits), so the same bits, in 15 vector additions instead of 16
+// horizontal sums: each level adds the halves of two vectors' partial sums side by side.
+inline vf reduce_add16(const vf* v) {
+    vf half[8], quarter[4], eighth[2];
+    for (int p = 0; p < 8; p++)  // [a's 8 lane sums, b's]
+        half[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int p = 0; p < 4; p++)  // one 128-bit block of 4 lane sums per vector: keys 4p .. 4p + 3
+        quarter[p] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int p = 0; p < 2; p++)  // block b: [key b's 2 sums, key 4 + b's] (keys 8 on for p = 1)
+        eighth[p] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * p], quarter[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(quarter[2 * p], quarter[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // Block b: the sums of keys b, 4 + b, 8 + b, 12 + b; put back in key order.
+    const vf sums = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
 inline float reduce_min(vf a) { return _mm512_reduce_min_ps(a); }
 inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
 // Lane-wise comparisons as 16-bit masks (bit i for lane i).
@@ -134,6 +154,12 @@ struct Max {
     __m128 operator()(__m128 a, __m128 b) const { return _mm_max_ps(a, b); }
 };
 inline float reduce_add(vf a) { return reduce(a, Add{}); }
+// Lane i: reduce_add(v[i]) (AVX-512's version batches the same additions).
+inline vf reduce_add16(const vf* v) {
+    alignas(64) float sums[16];
+    for (int i = 0; i < 16; i++) sums[i] = reduce_add(v[i]);
+    return load_aligned(sums);
+}
 inline float reduce_min(vf a) { return reduce(a, Min{}); }
 inline float reduce_max(vf a) { return reduce(a, Max{}); }
 // Lane-wise comparison with predicate P as a 16-bit mask (bit i for lane i).
