@@ -20,6 +20,24 @@ namespace {
 constexpr int kMaxHeads = 4;
 constexpr int heads_at_once(int nc) { return 16 / nc < kMaxHeads ? 16 / nc : kMaxHeads; }
 
+// Lane i: q . key i (NC chunks of 16 dims each) for the first live (<= 16) keys from keys, 0 past
+// them; each dot product as 16 lane partial sums, folded for all 16 keys at once by reduce_add16
+// (the additions reduce_add would make, batched, so the bits of a key's score never depend on
+// its neighbours).
+template <int NC>
+inline simd::vf dots16(const simd::vf* q, const float* keys, long live) {
+    using namespace simd;
+    vf dots[16];
+    for (int i = 0; i < 16; i++) {
+        dots[i] = zero();
+        if (i >= live) continue;
+        const float* key = keys + i * NC * 16;
+        dots[i] = mul(q[0], load(key));
+        for (int c = 1; c < NC; c++) dots[i] = fmadd(q[c], load(key + 16 * c), dots[i]);
+    }
+    return reduce_add16(dots);
+}
+
 // G consecutive query heads of one KV head (NC chunks of 16 dims) over len keys/values. Head g's
 // query is q + g * q_head_stride, its output out + g * NC * 16; weights is scratch of
 // >= G * (len + 16). Each head's arithmetic is what it would be alone, in the same order.
@@ -29,40 +47,29 @@ void attend(const float* q, long q_head_stride, const float* keys, const float* 
     using namespace simd;
     constexpr long D = NC * 16;
     const long stride = len + 16;
-    // Scores, 16 keys at a time: each key's dot product as 16 lane partial sums, the 16 keys'
-    // folded together by reduce_add16 (the additions reduce_add would make, batched). The block's
-    // keys stay in L1 while the G heads read them; each head's query is reloaded from there too
-    // (all G in registers beside 16 sums would spill).
-    const long blocked = len - len % 16;
+    // Scores, 16 keys at a time. The block's keys stay in L1 while the G heads read them; each
+    // head's query is reloaded from there too (all G in registers beside 16 sums would spill).
     const vf scale16 = set1(scale);
     vf highest[G];
-    for (int g = 0; g < G; g++) highest[g] = set1(-INFINITY);
-    for (long j = 0; j < blocked; j += 16) {
-        for (int g = 0; g < G; g++) {
-            vf qv[NC], dots[16];
-            for (int c = 0; c < NC; c++) qv[c] = load(q + g * q_head_stride + 16 * c);
-            for (int i = 0; i < 16; i++) {
-                const float* key = keys + (j + i) * D;
-                dots[i] = mul(qv[0], load(key));
-                for (int c = 1; c < NC; c++) dots[i] = fmadd(qv[c], load(key + 16 * c), dots[i]);
-            }
-            const vf w = mul(reduce_add16(dots), scale16);
-            store(weights + g * stride + j, w);
-            highest[g] = max(highest[g], w);
-        }
-    }
     float top[G];
-    for (int g = 0; g < G; g++) {
-        const float* qg = q + g * q_head_stride;
-        float* wg = weights + g * stride;
-        top[g] = reduce_max(highest[g]);
-        for (long j = blocked; j < len; j++) {  // the last len % 16 keys one by one
-            vf acc = mul(load(qg), load(keys + j * D));
-            for (int c = 1; c < NC; c++) acc = fmadd(load(qg + 16 * c), load(keys + j * D + 16 * c), acc);
-            wg[j] = reduce_add(acc) * scale;
-            top[g] = fmaxf(top[g], wg[j]);
+    for (int g = 0; g < G; g++) highest[g] = set1(-INFINITY), top[g] = -INFINITY;
+    for (long j = 0; j < len; j += 16) {
+        const long live = len - j < 16 ? len - j : 16;
+        for (int g = 0; g < G; g++) {
+            vf qv[NC];
+            for (int c = 0; c < NC; c++) qv[c] = load(q + g * q_head_stride + 16 * c);
+            float* wg = weights + g * stride + j;
+            if (live == 16) {
+                const vf w = mul(dots16<NC>(qv, keys + j * D, 16), scale16);
+                store(wg, w);
+                highest[g] = max(highest[g], w);
+            } else {  // the last len % 16 keys
+                store(wg, first(live), mul(dots16<NC>(qv, keys + j * D, live), scale16));
+                for (long i = 0; i < live; i++) top[g] = fmaxf(top[g], wg[i]);
+            }
         }
     }
+    for (int g = 0; g < G; g++) top[g] = fmaxf(top[g], reduce_max(highest[g]));
     float norm[G];
     for (int g = 0; g < G; g++) {
         float* wg = weights + g * stride;
