@@ -25,9 +25,17 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_spec_eagle import targets  # noqa: F401  (a fixture)
-from test_spec_ngram import NGRAM, _in_cycle, _token_ids, assert_same_logprobs, copying  # noqa: F401  (a fixture)
-from utils_engine import assert_pool_clean, make_engine, run_all
+from test_spec_ngram import (  # noqa: F401  (copying is a fixture)
+    NGRAM,
+    _assert_held_nothing,
+    _in_cycle,
+    _token_ids,
+    assert_same_logprobs,
+    copying,
+)
+from utils_engine import make_engine, run_all
 
+from omnistage.core.kv_cache_utils import cdiv
 from omnistage.sampling_params import SamplingParams
 
 K = NGRAM["num_speculative_tokens"]
@@ -103,8 +111,7 @@ def _run(engine, prompts, params, abort: tuple[int, int] | None) -> dict:
             engine.abort_request(str(abort[0]))
         done.update({int(o.request_id): o for o in engine.step() if o.finished})
         step += 1
-    assert_pool_clean(engine)
-    assert engine.held().is_empty
+    _assert_held_nothing(engine)
     return done
 
 
@@ -126,7 +133,7 @@ def test_speculation_never_changes_a_greedy_output(copying, targets, method, req
         abort = (abort[0] % len(requests), abort[1])
     # The pool must hold the largest request (one it never could is refused, as tested elsewhere).
     block = limits.get("block_size", 16)
-    need = max(-(-(len(p["prompt_token_ids"]) + sp.max_tokens + K) // block) for p, sp in zip(prompts, params))
+    need = max(cdiv(len(p["prompt_token_ids"]) + sp.max_tokens + K, block) for p, sp in zip(prompts, params))
     if limits.get("num_kv_blocks", need) < need:
         limits = {**limits, "num_kv_blocks": need}
     off = _run(make_engine(loaded, **limits), prompts, params, abort=None)
