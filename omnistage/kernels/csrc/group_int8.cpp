@@ -57,6 +57,20 @@ constexpr float nibble_unscale(int j) { return j == 7 ? 1.0f : 1.0f / (float)(1u
 template <int BITS>
 struct TileIntegers;
 
+// How far ahead of the octet being read its stream is prefetched. A decode step streams every
+// weight from memory once, each thread through its tiles in order (contiguous), and with 1-8 rows
+// the hardware prefetcher alone left it short of the memory's bandwidth: on Zen 4, 2 threads, 30
+// layers of the embedded default's 4-bit weights took 2.78 ms at 1 row against 3.31 (1.19x), 3.89
+// against 4.12 at 2 rows and 11.49 against 12.04 at 8, at 2-4 KB ahead alike. Cached data: unchanged.
+constexpr long kPrefetchBytes = 4096;
+
+// Asks now for the cache lines of the `bytes` that start kPrefetchBytes past p: hints, which never
+// fault, so running past the weight's end is harmless (the address is integer arithmetic).
+inline void prefetch_ahead(const void* p, long bytes) {
+    const uintptr_t start = (uintptr_t)p + kPrefetchBytes;
+    for (long i = 0; i < bytes; i += 64) __builtin_prefetch((const void*)(start + i));
+}
+
 // Byte B of each lane's word as a signed integer: shifted to the top, then back down sign-extending.
 template <int B>
 inline vf signed_byte(vi words) {
@@ -70,6 +84,7 @@ struct TileIntegers<8> {
     vi w[4];  // the octet's two words of four k, for columns 0..15 and 16..31, as signed bytes
     explicit TileIntegers(const void* tile) : q((const uint32_t*)tile) {}
     inline void load_octet(long octet) {  // q + 128 back to q: the top bit of every byte flipped
+        prefetch_ahead(q + octet * 64, 256);
         for (int i = 0; i < 4; i++) w[i] = xor_int32(load_int32(q + octet * 64 + i * 16), 0x80808080u);
     }
     template <int J>  // k = 8 * octet + J
@@ -85,6 +100,7 @@ struct TileIntegers<4> {
     vi w0, w1;
     explicit TileIntegers(const void* tile) : q((const uint32_t*)tile) {}
     inline void load_octet(long octet) {
+        prefetch_ahead(q + octet * 32, 128);
         w0 = load_int32(q + octet * 32);
         w1 = load_int32(q + octet * 32 + 16);
     }
