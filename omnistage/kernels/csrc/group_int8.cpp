@@ -61,7 +61,7 @@ struct TileIntegers;
 // weight from memory once, each thread through its tiles in order (contiguous), and with 1-8 rows
 // the hardware prefetcher alone left it short of the memory's bandwidth: on Zen 4, 2 threads, 30
 // layers of the embedded default's 4-bit weights took 2.78 ms at 1 row against 3.31 (1.19x), 3.89
-// against 4.12 at 2 rows and 11.49 against 12.04 at 8, at 2-4 KB ahead alike; the same layers in
+// against 4.12 at 2 rows and 11.49 against 12.04 at 8, at 2-8 KB ahead alike; the same layers in
 // 8 bits 1.12-1.16x faster at 1-8 rows, an 8-bit 49152-row LM head 1.01-1.07x. Cached data: unchanged.
 constexpr long kPrefetchBytes = 4096;
 
