@@ -136,6 +136,8 @@ class EagleProposer:
             dtype=target.dtype,
             device=device,
         )
+        # The same rows flat (slot s, row i at s * window + i), made once: _keep writes one every idle step.
+        self._pool_rows = self._pool.view(-1, target.hidden_size)
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._kept: dict[str, _Kept] = {}
         self._no_ids = torch.empty(0, dtype=torch.int64, device=device)  # a head step's input_ids (see _HeadStep)
@@ -285,12 +287,11 @@ class EagleProposer:
             src += range(starts[i], starts[i] + k)
             dst += range(at, at + k)
             kept.count += k
-        pool = self._pool.view(-1, self._pool.shape[-1])
         if len(src) == 1:
-            pool[dst[0]].copy_(target_hidden[src[0]])
+            self._pool_rows[dst[0]] = target_hidden[src[0]]
         else:
             rows = target_hidden.index_select(0, torch.tensor(src, device=self.device))
-            pool.index_copy_(0, torch.tensor(dst, device=self.device), rows)
+            self._pool_rows.index_copy_(0, torch.tensor(dst, device=self.device), rows)
 
     def discard(self, req_id: str) -> None:
         """Free ``req_id``'s window without running the head (its owed positions stay stale)."""
