@@ -268,34 +268,44 @@ void rows_tail(long rows, const float* x, long K, const float* panel, float* y, 
     }
 }
 
+// sums[r, g] = x[r, 32 g] + x[r, 32 g + 1] + ... + x[r, 32 g + 31], added in that order: the factored
+// path's offsets, and the screened argmax's exact pass, which must give the same bits.
+void group_sums(const float* x, long M, long K, float* sums) {
+    const long groups = K / kGroup;
+    for (long r = 0; r < M; r++) {
+        for (long g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (long k = g * kGroup; k < (g + 1) * kGroup; k++) s += x[r * K + k];
+            sums[r * groups + g] = s;
+        }
+    }
+}
+
 template <int BITS>
 void gemm(const float* x, long M, long K, const void* q, const uint16_t* d, const uint16_t* m, float* y, long N,
           int threads) {
     const long tiles = N / kTile, groups = K / kGroup;
     const long tile_bytes = BITS == 8 ? K * kTile : K / 8 * kTile * 4;
-    // For the factored path: x's per-group sums and, for the 4-bit layout, x scaled for its nibbles.
     const bool factored = M <= kFactoredRows;
-    std::vector<float> scaled, xsum;
-    const float* xs = x;
-    if (factored) {
-        xsum.resize(M * groups);
-        if (BITS == 4) {
-            scaled.resize(M * K);
-            for (long i = 0; i < M * K; i++) scaled[i] = x[i] * nibble_unscale(i % K % 8);
-            xs = scaled.data();
-        }
-        for (long r = 0; r < M; r++) {
-            for (long g = 0; g < groups; g++) {
-                float s = 0.0f;
-                for (long k = g * kGroup; k < (g + 1) * kGroup; k++) s += x[r * K + k];
-                xsum[r * groups + g] = s;
-            }
-        }
-    }
 #pragma omp parallel num_threads(threads)
     {
         static thread_local float* panel = nullptr;
         if (!factored && panel == nullptr) panel = (float*)aligned_alloc(64, kMaxK * kTile * sizeof(float));
+        // For the factored path: x's per-group sums and, for the 4-bit layout, x scaled for its nibbles.
+        // Each thread makes its own: a few microseconds that would otherwise run before the threads
+        // start, and whose output the other thread would then fetch from this core's cache.
+        static thread_local std::vector<float> scaled, xsum;
+        const float* xs = x;
+        if (factored) {
+            xsum.resize(M * groups);
+            group_sums(x, M, K, xsum.data());
+            if (BITS == 4) {
+                scaled.resize(M * K);
+                for (long r = 0; r < M; r++)
+                    for (long k = 0; k < K; k++) scaled[r * K + k] = x[r * K + k] * nibble_unscale(k % 8);
+                xs = scaled.data();
+            }
+        }
 #pragma omp for schedule(static)
         for (long t = 0; t < tiles; t++) {
             const void* qt = (const uint8_t*)q + t * tile_bytes;
@@ -492,11 +502,7 @@ int screened_argmax(const float* x, long M, long K, const void* q, const uint16_
     for (long r = 0; r < M; r++) {
         const float* xr = x + r * K;
         std::vector<float> xsum(groups);  // as gemm's factored path sums them
-        for (long g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (long k = g * kGroup; k < (g + 1) * kGroup; k++) sum += xr[k];
-            xsum[g] = sum;
-        }
+        group_sums(xr, 1, K, xsum.data());
         float best = -INFINITY;
         long best_id = -1;
         alignas(64) float y[kTile];
