@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "simd.h"
@@ -34,14 +35,23 @@ constexpr long kTile = 32;
 constexpr long kMaxK = 1 << 14;
 // Rows of x per block against a tile's panel: their 2 * rows accumulators stay in registers.
 constexpr int kBlockRows = kRegisters == 32 ? 8 : 3;
-// Up to this many rows multiply the stored integers directly (rows_times_tile): their 2 * rows
-// group sums stay in registers beside the integers being converted, and so do the 2 * rows
+// Rows per pass of the factored path, which multiplies the stored integers directly
+// (rows_times_tile): their 2 * rows group sums stay in registers beside the integers being
+// converted, and so do the 2 * rows
 // outputs up to 6 rows; at 7-8 those are kept on the stack between groups (a store and a load
 // per 32 inputs), which still beats rebuilding a panel. Measured on Zen 4, 2 threads, 8 rows:
 // the 8-bit 49152x576 LM head 2.9 ms against 4.0 ms on a panel, a 4-bit 3072x576 gate/up
 // 0.17 against 0.19 ms (576x1536 down 0.11 against 0.10); a batch-8 decode step of the
-// embedded default 19.5-21.4 ms against 23.2-25.7. Past 8 rows panels win on 4-bit weights.
-constexpr int kFactoredRows = kRegisters == 32 ? 8 : 2;
+// embedded default 19.5-21.4 ms against 23.2-25.7.
+constexpr long kFactoredRows = kRegisters == 32 ? 8 : 2;
+// Up to this many rows take the factored path, in passes of kFactoredRows rows that each convert the
+// integers again, and still beat a panel: 30 of the embedded default's 4-bit layers took 1.19x less
+// time at 9-12 rows and 1.02-1.03x at 14-16, 8-bit ones 1.06-1.22x (Zen 4, 2 threads); the AVX2 build
+// (run on the same CPU) 1.15-1.58x at 3-4 rows and 1.09-1.25x at 5-16. Past 16 rows a panel's reuse
+// wins. Every row's arithmetic is the same whatever its pass, so up to 16 rows a row's output does not
+// depend on the rows beside it: a speculative verify step of up to 16 tokens computes what decoding
+// them one at a time would.
+constexpr long kFactoredMaxRows = 16;
 
 // Nibble j of each lane's word, times 16^j: masked in place, never shifted (one op per k), except
 // the top one, shifted down (a mask would leave the sign bit set). Exact as an fp32: 4 significant bits.
@@ -286,7 +296,7 @@ void gemm(const float* x, long M, long K, const void* q, const uint16_t* d, cons
           int threads) {
     const long tiles = N / kTile, groups = K / kGroup;
     const long tile_bytes = BITS == 8 ? K * kTile : K / 8 * kTile * 4;
-    const bool factored = M <= kFactoredRows;
+    const bool factored = M <= kFactoredMaxRows;
 #pragma omp parallel num_threads(threads)
     {
         static thread_local float* panel = nullptr;
@@ -312,7 +322,12 @@ void gemm(const float* x, long M, long K, const void* q, const uint16_t* d, cons
             const uint16_t* dt = d + t * groups * kTile;
             const uint16_t* mt = m + t * groups * kTile;
             float* yt = y + t * kTile;
-            if (factored) { factored_rows<BITS>(M, xs, xsum.data(), K, qt, dt, mt, yt, N); continue; }
+            if (factored) {
+                for (long r = 0; r < M; r += kFactoredRows)
+                    factored_rows<BITS>(std::min(kFactoredRows, M - r), xs + r * K, xsum.data() + r * groups, K, qt,
+                                        dt, mt, yt + r * N, N);
+                continue;
+            }
             build_panel<BITS>(K, qt, dt, mt, panel);
             long r = 0;
             for (; r + kBlockRows <= M; r += kBlockRows) rows_times_panel<kBlockRows>(x + r * K, K, panel, yt + r * N, N);
