@@ -378,6 +378,29 @@ def test_logprobs_with_drafts_equal_speculation_off(copying, always_draft):
     _assert_held_nothing(engine)
 
 
+@pytest.mark.slow
+def test_embedded_default_verifies_up_to_16_tokens_as_decoding_them_bit_for_bit():
+    """On the embedded default (GGUF weights, the group-int8 matmul) a step of up to 16
+    tokens computes each one as a step of one would: two copying requests with 7 drafts
+    each, verified at full length, report the logprobs each gets decoded alone, exactly."""
+    loaded = load_model(None)
+    off = make_engine(loaded, block_size=16, max_model_len=512)
+    texts = [
+        "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog by the river bank.",
+        "Copy this list: apples, pears, plums, cherries, grapes, lemons, limes, oranges, figs.",
+    ]
+    prompts = [off.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
+    alone = [run_all(off, [p], params, prefix=f"alone{i}-")[0] for i, p in enumerate(prompts)]
+    k7 = {**NGRAM, "num_speculative_tokens": 7}  # two rows of 1 + 7 tokens: 16
+    on = make_engine(loaded, block_size=16, max_model_len=512, speculative_config=k7)
+    together = run_all(on, prompts, params)
+    assert _token_ids(together) == _token_ids(alone)
+    assert [o.outputs[0].logprobs for o in together] == [o.outputs[0].logprobs for o in alone]
+    assert all(o.metrics.num_accepted_tokens > 0 for o in together)
+    _assert_held_nothing(on)
+
+
 @pytest.mark.parametrize("factor", [0.0, 0.01])
 def test_penalties_and_min_tokens_verify_exactly(factor, copying):
     """Each draft position's penalties count the drafts before it, and min_tokens
