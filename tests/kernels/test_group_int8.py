@@ -79,6 +79,16 @@ def test_matmul_matches_fp32_linear_on_the_same_weights(rows, kind):
     assert (got.double() - exact).abs().max() <= 4 * fp32_err + 1e-6
 
 
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+def test_up_to_16_rows_each_row_is_its_one_row_product_bit_for_bit(kind):
+    # What lets a speculative verify step of up to 16 tokens compute what decoding them would.
+    enc = encode_group_int8(gguf_weight((96, 1536), kind, seed=3))
+    x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([group_int8_matmul(x[r : r + 1], enc) for r in range(16)])
+    for rows in (2, 7, 8, 9, 12, 16):
+        assert torch.equal(group_int8_matmul(x[:rows], enc).view(torch.int32), alone[:rows].view(torch.int32)), rows
+
+
 def test_q4_1_weights_take_half_a_byte_per_weight_and_q8_0_a_byte():
     n, k = 96, 160
     q4 = encode_group_int8(gguf_weight((n, k), Q4_1))
