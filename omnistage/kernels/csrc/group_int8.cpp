@@ -39,14 +39,13 @@ constexpr int kBlockRows = kRegisters == 32 ? 8 : 3;
 // (rows_times_tile): their 2 * rows group sums stay in registers beside the integers being
 // converted, and so do the 2 * rows outputs up to 6 rows; at 7-8 those are kept on the stack
 // between groups (a store and a load per 32 inputs), which still beats rebuilding a panel.
-// Measured on Zen 4, 2 threads, 8 rows:
-// the 8-bit 49152x576 LM head 2.9 ms against 4.0 ms on a panel, a 4-bit 3072x576 gate/up
-// 0.17 against 0.19 ms (576x1536 down 0.11 against 0.10); a batch-8 decode step of the
-// embedded default 19.5-21.4 ms against 23.2-25.7.
+// Measured on Zen 4, 2 threads, 8 rows: the 8-bit 49152x576 LM head 2.9 ms against 4.0 ms on a
+// panel, a 4-bit 3072x576 gate/up 0.17 against 0.19 ms (576x1536 down 0.11 against 0.10); a
+// batch-8 decode step of the embedded default 19.5-21.4 ms against 23.2-25.7.
 constexpr long kFactoredRows = kRegisters == 32 ? 8 : 2;
 // Up to this many rows take the factored path, in passes of kFactoredRows rows that each convert the
 // integers again, and still beat a panel: 30 of the embedded default's 4-bit layers ran 1.19x faster
-// time at 9-12 rows and 1.02-1.03x at 14-16, 8-bit ones 1.06-1.22x (Zen 4, 2 threads); the AVX2 build
+// at 9-12 rows and 1.02-1.03x at 14-16, 8-bit ones 1.06-1.22x (Zen 4, 2 threads); the AVX2 build
 // (run on the same CPU) 1.15-1.58x at 3-4 rows and 1.09-1.25x at 5-16. Past 16 rows a panel's reuse
 // wins. Every row's arithmetic is the same whatever its pass, so up to 16 rows a row's output does not
 // depend on the rows beside it: a speculative verify step of up to 16 tokens computes what decoding
