@@ -24,8 +24,9 @@ both emit the same tokens, which is checked):
    model's width: it agrees with the model almost never, so the row shows
    what the draft policy's probes with back-off cost: each a head pass over
    the positions it skipped since the last one and an LM-head row, scored in
-   the shadow, never verified; the head is in Q8_0, since the target is a
-   Q4_1 GGUF; target 0.97x);
+   the shadow, never verified; once the first request has walked the
+   back-off, the next ones are probed at once and then every 64 steps; the
+   head is in Q8_0, since the target is a Q4_1 GGUF; target 0.97x);
 3. the cost of a step that verifies ``k`` drafts relative to a one-token
    decode step, ``k = 1..8``, at batch 1 and 8 (drafts forced to a token
    the model will not emit, so every step emits one token): it sets what

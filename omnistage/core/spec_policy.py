@@ -55,11 +55,17 @@ probed (``drafter_drafts``): a one-draft proposal at once, then after 8,
 allocation drafts again), so a request whose text turns predictable is
 noticed; a probe kept whole is followed at once by a full-``k`` one, so an
 agreeing head reaches the allocation's bar in a few steps, not after idle
-gaps. A probe's proposal is scored in the shadow across the steps that
-follow, never verified: it costs the head's passes but no verify step (on
-a 2-core CPU a batch-8 step with one draft per row costs 1.5x a decode
-step, with four 2.9x), so a head that never agrees costs one head pass
-every 64 tokens at most.
+gaps. The back-off is also the engine's: a probe waits at least as long
+as the longest gap any request's probe has reached since a probe was last
+kept whole anywhere. So once a head has failed a request through its
+back-off, the next requests are probed at once (every request is, a head
+may suit one text and not another) and then only every 64 steps, instead
+of walking the back-off again each; one probe kept whole, by any request,
+sets the engine's back-off back to 8. A probe's proposal is scored in the
+shadow across the steps that follow, never verified: it costs the head's
+passes but no verify step (on a 2-core CPU a batch-8 step with one draft
+per row costs 1.5x a decode step, with four 2.9x), so a head that never
+agrees costs one head pass every 64 tokens at most.
 """
 
 from __future__ import annotations
@@ -97,8 +103,10 @@ PRIOR_NEXT = (1.5, 0.5)
 # A drafter's probes of a request that stopped drafting: the first idle gap
 # (in sampling steps) and the longest one (each failed probe doubles it). At 8
 # a head that never agrees is probed 4 times in a 96-token reply (at once, then
-# after 8, 16 and 32 idle steps): each probe costs a head pass over the positions
-# since the last one and one LM-head row.
+# after 8, 16 and 32 idle steps), and twice (at once, then after 64) once the
+# engine's back-off has reached 64: each probe costs a head pass over the
+# positions since the last one and one LM-head row (on a 2-core CPU about 3 ms,
+# two thirds of a decode step at batch 1).
 PROBE_FIRST_GAP = 8
 PROBE_MAX_GAP = 64
 
@@ -226,13 +234,20 @@ class DraftPolicy:
         self.step_cost = step_cost if step_cost is not None else StepCost(DEFAULT_VERIFY_COSTS, DEFAULT_DECODE_COSTS)
         self.decay = decay
         self.min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
+        self._floors: dict[int, float] = {}  # per batch size, see _floor
+        # The engine's probe back-off: the longest idle gap a probe has been given since a
+        # probe was last kept whole (by any request); no probe waits less.
+        self.probe_gap = PROBE_FIRST_GAP
 
     def allocate(self, states: Sequence[DraftState], caps: Sequence[int]) -> list[int]:
         """Drafts for each of a step's decoding requests (``caps[i]``: at most that many for request ``i``)."""
         num = len(states)
+        firsts = [(s.next_rate if s.in_run else s.start_rate) if c > 0 else 0.0 for s, c in zip(states, caps)]
+        if max(firsts, default=0.0) <= self._floor(num):  # the common case of text that does not copy
+            return [0] * num
         values = []  # (the chance that a draft and all before it are kept, its request)
-        for i, (state, cap) in enumerate(zip(states, caps)):
-            value, rate = state.next_rate if state.in_run else state.start_rate, state.next_rate
+        for i, (state, cap, value) in enumerate(zip(states, caps, firsts)):
+            rate = state.next_rate
             for _ in range(min(cap, self.max_k)):
                 values.append((value, i))
                 value *= rate
@@ -249,6 +264,20 @@ class DraftPolicy:
         for _, i in values[:best_m]:
             out[i] += 1
         return out
+
+    def _floor(self, num: int) -> float:
+        """A draft value no step of ``num`` rows drafts at: if no request's first draft is worth
+        more, no ``m`` drafts pay, since each is worth at most that (values fall along a
+        proposal). ``m`` pays when ``(num + m * v) / verify(num, m)`` beats plain decoding,
+        i.e. ``v > (best * verify(num, m) - num) / m``; the floor is that bound's least
+        over every ``m`` a step could verify."""
+        floor = self._floors.get(num)
+        if floor is None:
+            cost = self.step_cost
+            best = num / cost.decode(num) * self.min_gain
+            bounds = ((best * cost.verify(num, m) - num) / m for m in range(1, num * self.max_k + 1))
+            floor = self._floors[num] = min(bounds, default=0.0) * (1 - 1e-9)  # a float sum may round up
+        return floor
 
     def num_drafts(self, state: DraftState, batch_size: int = 1) -> int:
         """Drafts worth verifying for one request in a step of ``batch_size`` like it."""
@@ -269,7 +298,8 @@ class DraftPolicy:
             state.in_run &= bool(state.shadow)  # an idle step's token is not scored: no run stands after it
             return 0
         state.probing = True
-        state.probe_wait, state.probe_gap = state.probe_gap, min(2 * state.probe_gap, PROBE_MAX_GAP)
+        wait = self.probe_gap = max(state.probe_gap, self.probe_gap)
+        state.probe_wait, state.probe_gap = wait, min(2 * wait, PROBE_MAX_GAP)
         # A probe proposes one draft (each further one costs a head step and an LM-head
         # pass), enough to notice agreement; one kept whole earns a full-length probe next.
         full, state.probe_full = state.probe_full, False
@@ -304,6 +334,7 @@ class DraftPolicy:
             if not matched or state.shadow_matched == len(state.shadow):  # the run is over
                 if matched:  # kept whole: a drafter probes again at once, at full length
                     state.probe_wait, state.probe_gap, state.probe_full = 0, PROBE_FIRST_GAP, True
+                    self.probe_gap = PROBE_FIRST_GAP  # the head agrees somewhere: every request backs off anew
                 state.shadow = []
                 return
 

@@ -185,7 +185,7 @@ class EagleProposer:
             )
             (skip if skips else run).append(i)
         if skip:
-            self._keep(step, target_hidden, skip)
+            self._keep(step, target_hidden, skip, computed, scheduled)
         if not run:
             return {}
         # The run requests drafts are read from (the head's output at their last row).
@@ -269,29 +269,29 @@ class EagleProposer:
             self.discard(r)
 
     def _keep(
-        self, step: BatchStep, target_hidden: torch.Tensor, skip: list[int]
+        self, step: BatchStep, target_hidden: torch.Tensor, skip: list[int], computed: list[int], counts: list[int]
     ) -> None:
-        """Copy the skipping requests' rows of this step into their windows: one
-        gather-scatter for all of them (a step's rows and the windows' are both
-        scattered), a slice copy for a lone row."""
-        starts, counts = step.query_start_loc.tolist(), step.num_scheduled_tokens.tolist()
+        """Copy the skipping requests' rows of this step (``counts[i]`` from its start) into
+        their windows: a slice copy for one request (its rows are consecutive on both sides,
+        the idle batch-1 case every step), else one gather-scatter for all."""
+        starts = step.query_start_loc
         stride = self._pool.shape[1]  # a slot's rows (``window`` may be set lower, never higher)
-        src: list[int] = []
-        dst: list[int] = []
+        segments = []  # (first row in the step, first row in the pool, rows)
         for i in skip:
             r = step.req_ids[i]
             kept = self._kept.get(r)
             if kept is None:
-                kept = self._kept[r] = _Kept(self._free_slots.pop(), int(step.num_computed_tokens[i]))
-            k, at = counts[i], kept.slot * stride + kept.count
-            src += range(starts[i], starts[i] + k)
-            dst += range(at, at + k)
-            kept.count += k
-        if len(src) == 1:
-            self._pool_rows[dst[0]] = target_hidden[src[0]]
-        else:
-            rows = target_hidden.index_select(0, torch.tensor(src, device=self.device))
-            self._pool_rows.index_copy_(0, torch.tensor(dst, device=self.device), rows)
+                kept = self._kept[r] = _Kept(self._free_slots.pop(), computed[i])
+            segments.append((int(starts[i]), kept.slot * stride + kept.count, counts[i]))
+            kept.count += counts[i]
+        if len(segments) == 1:
+            src, dst, k = segments[0]
+            self._pool_rows[dst : dst + k] = target_hidden[src : src + k]
+            return
+        src = [j for a, _, k in segments for j in range(a, a + k)]
+        dst = [j for _, b, k in segments for j in range(b, b + k)]
+        rows = target_hidden.index_select(0, torch.tensor(src, device=self.device))
+        self._pool_rows.index_copy_(0, torch.tensor(dst, device=self.device), rows)
 
     def discard(self, req_id: str) -> None:
         """Free ``req_id``'s window without running the head (its owed positions stay stale)."""

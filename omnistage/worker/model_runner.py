@@ -176,8 +176,9 @@ class ModelRunner:
             if self.tensor_cache is not None:
                 # Deferred outputs of finished requests are committed while their rows still exist.
                 self.tensor_cache.begin_step(so, batch)
-            if self.proposer is not None:
-                self._release_drafter(so.finished_req_ids | so.aborted_req_ids | so.preempted_req_ids)
+            leaving = so.finished_req_ids | so.aborted_req_ids | so.preempted_req_ids
+            if leaving and self.proposer is not None:
+                self._release_drafter(leaving)
         finally:
             # Leaving rows go even when the above failed: no later step names them again, and a
             # row left behind would be held for good (and keep the engine from ever going idle).

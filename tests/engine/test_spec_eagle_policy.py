@@ -3,7 +3,8 @@ fed each verified run, and a request that stopped drafting is probed with back-o
 
 Outputs always equal speculation off. A random head (it agrees with the target
 almost never) is probed rarely, a draft at a time, in the shadow (never
-verified); the accepting head (``mimic_target_layer=True`` on a bigram target) keeps full runs.
+verified), and once it has failed a request's whole back-off, the next
+requests are probed at the longest gap; the accepting head (``mimic_target_layer=True`` on a bigram target) keeps full runs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,30 @@ def test_probes_back_off_exponentially_and_reset_when_drafting_pays():
     assert policy.drafter_drafts(state, 2) == 2  # the allocation drafts again: back-off resets
     assert state.probe_gap == PROBE_FIRST_GAP
     assert [policy.drafter_drafts(state, 0) for _ in range(PROBE_FIRST_GAP + 1)][-1] == 1
+
+
+def test_the_back_off_carries_over_to_new_requests_until_a_probe_is_kept_whole():
+    policy = DraftPolicy(max_k=K)
+
+    def probe_steps(state, steps, keep=()):
+        """The steps (of ``steps``) ``state`` is probed at; a probe at a step in ``keep`` is kept whole."""
+        at = []
+        for i in range(steps):
+            if policy.drafter_drafts(state, 0):
+                at.append(i)
+                policy.shadow(state, [7])
+                policy.observe_tokens(state, [7 if i in keep else 8])
+        return at
+
+    gaps = [PROBE_FIRST_GAP * 2**j for j in range(4)]
+    assert gaps[-1] == PROBE_MAX_GAP
+    first = probe_steps(DraftState(), 200)  # a head that never agrees: through its whole back-off
+    assert [b - a - 1 for a, b in zip(first, first[1:])][:4] == gaps
+    # The next request is probed at once, then at the longest gap, not from the first one.
+    assert probe_steps(DraftState(), 2 * PROBE_MAX_GAP + 3) == [0, PROBE_MAX_GAP + 1, 2 * PROBE_MAX_GAP + 2]
+    # A probe kept whole (by any request) resets the engine's back-off: the next request walks it anew.
+    assert probe_steps(DraftState(), 2, keep={0}) == [0, 1]  # kept whole: a full probe follows at once
+    assert probe_steps(DraftState(), 1 + PROBE_FIRST_GAP + 1) == [0, PROBE_FIRST_GAP + 1]
 
 
 def test_a_probe_kept_whole_is_followed_at_once_by_a_full_one():
@@ -70,6 +95,11 @@ def test_random_head_is_probed_in_the_shadow_with_identical_outputs(targets, mon
     assert probes == [1] * 4 * len(PROMPTS)
     for o in outs:
         assert o.metrics.num_drafts == 0 and o.metrics.num_draft_tokens == 0
+    # The next requests start where the back-off got to: probed at once, then after 64 idle
+    # steps, past their 64 tokens.
+    probes.clear()
+    assert _tokens(run_all(on, PROMPTS, LONG)) == off
+    assert probes == [1] * len(PROMPTS)
 
 
 def test_accepting_head_keeps_full_drafts(targets):  # noqa: F811 (the imported fixture)

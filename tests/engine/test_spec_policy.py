@@ -11,6 +11,8 @@ when a request starts copying. Metrics: per request, totals, ``/metrics``.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_spec_ngram import NGRAM, _in_cycle, copying  # noqa: F401  (copying is a fixture)
 from utils_engine import PROMPTS, make_engine, run_all
 
@@ -62,6 +64,49 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
     assert DraftPolicy(max_k=8).num_drafts(DraftState.with_counts(19.0, 1.0)) == 8
     with pytest.raises(ValueError, match="increasing tokens"):
         StepCost({2: ((2, 1.0), (1, 2.0))})
+
+
+def _best_split(policy: DraftPolicy, states: list[DraftState], caps: list[int]) -> list[int]:
+    """The documented rule, by brute force: every way to split drafts over the requests
+    (prefixes of each one's proposal), the one with the most expected tokens per unit
+    time, if it beats plain decoding by ``min_gain``; no drafts otherwise."""
+    import itertools
+
+    num, cost = len(states), policy.step_cost
+    best, best_rate = [0] * num, num / cost.decode(num) * policy.min_gain
+    for split in itertools.product(*(range(min(c, policy.max_k) + 1) for c in caps)):
+        tokens = float(num)
+        for s, k in zip(states, split):
+            value = s.next_rate if s.in_run else s.start_rate
+            for _ in range(k):
+                tokens, value = tokens + value, value * s.next_rate
+        rate = tokens / cost.verify(num, sum(split))
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = list(split), rate
+    return best
+
+
+_counts = st.floats(0.0, 20.0).map(lambda x: round(x, 1))
+_states = st.builds(DraftState, start_kept=_counts, start_missed=_counts.map(lambda x: x + 0.1),
+                    next_kept=_counts, next_missed=_counts.map(lambda x: x + 0.1), in_run=st.booleans())
+
+
+@given(st.lists(st.tuples(_states, st.integers(0, 4)), min_size=1, max_size=3), st.sampled_from([1.0, 1.1, 1.3]))
+def test_allocation_is_the_best_split_of_drafts(requests, min_gain):
+    """The policy's greedy pick (values sorted, best prefix) and its early exit for
+    requests whose first draft is worth too little agree with trying every split."""
+    policy = DraftPolicy(max_k=4, min_gain=min_gain)
+    states, caps = [s for s, _ in requests], [c for _, c in requests]
+    got = policy.allocate(states, caps)
+    want = _best_split(policy, states, caps)
+    tokens = lambda split: len(split) + sum(  # noqa: E731
+        (s.next_rate if s.in_run else s.start_rate) * s.next_rate**j for s, k in zip(states, split) for j in range(k)
+    )
+    cost = policy.step_cost
+    # Equal, or (ties between equally good splits) as good.
+    assert got == want or tokens(got) / cost.verify(len(caps), sum(got)) == pytest.approx(
+        tokens(want) / cost.verify(len(caps), sum(want)), rel=1e-9
+    )
 
 
 def test_shadow_scores_a_proposal_against_the_tokens_that_follow():
