@@ -4,7 +4,8 @@ fed each verified run, and a request that stopped drafting is probed with back-o
 Outputs always equal speculation off. A random head (it agrees with the target
 almost never) is probed rarely, a draft at a time, in the shadow (never
 verified), and once it has failed a request's whole back-off, the next
-requests are probed at the longest gap; the accepting head (``mimic_target_layer=True`` on a bigram target) keeps full runs.
+requests are probed at the longest gap; the accepting head
+(``mimic_target_layer=True`` on a bigram target) keeps full runs.
 """
 
 from __future__ import annotations
