@@ -10,6 +10,8 @@ when a request starts copying. Metrics: per request, totals, ``/metrics``.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -66,21 +68,24 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
         StepCost({2: ((2, 1.0), (1, 2.0))})
 
 
+def _expected_tokens(states: list[DraftState], split: list[int]) -> float:
+    """A step's tokens if request ``i`` verifies ``split[i]`` drafts, as the policy values them."""
+    tokens = float(len(states))
+    for s, k in zip(states, split):
+        value = s.next_rate if s.in_run else s.start_rate
+        for _ in range(k):
+            tokens, value = tokens + value, value * s.next_rate
+    return tokens
+
+
 def _best_split(policy: DraftPolicy, states: list[DraftState], caps: list[int]) -> list[int]:
     """The documented rule, by brute force: every way to split drafts over the requests
     (prefixes of each one's proposal), the one with the most expected tokens per unit
     time, if it beats plain decoding by ``min_gain``; no drafts otherwise."""
-    import itertools
-
     num, cost = len(states), policy.step_cost
     best, best_rate = [0] * num, num / cost.decode(num) * policy.min_gain
     for split in itertools.product(*(range(min(c, policy.max_k) + 1) for c in caps)):
-        tokens = float(num)
-        for s, k in zip(states, split):
-            value = s.next_rate if s.in_run else s.start_rate
-            for _ in range(k):
-                tokens, value = tokens + value, value * s.next_rate
-        rate = tokens / cost.verify(num, sum(split))
+        rate = _expected_tokens(states, split) / cost.verify(num, sum(split))
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = list(split), rate
     return best
@@ -97,16 +102,9 @@ def test_allocation_is_the_best_split_of_drafts(requests, min_gain):
     requests whose first draft is worth too little agree with trying every split."""
     policy = DraftPolicy(max_k=4, min_gain=min_gain)
     states, caps = [s for s, _ in requests], [c for _, c in requests]
-    got = policy.allocate(states, caps)
-    want = _best_split(policy, states, caps)
-    tokens = lambda split: len(split) + sum(  # noqa: E731
-        (s.next_rate if s.in_run else s.start_rate) * s.next_rate**j for s, k in zip(states, split) for j in range(k)
-    )
-    cost = policy.step_cost
-    # Equal, or (ties between equally good splits) as good.
-    assert got == want or tokens(got) / cost.verify(len(caps), sum(got)) == pytest.approx(
-        tokens(want) / cost.verify(len(caps), sum(want)), rel=1e-9
-    )
+    got, want = policy.allocate(states, caps), _best_split(policy, states, caps)
+    rate = lambda split: _expected_tokens(states, split) / policy.step_cost.verify(len(split), sum(split))  # noqa: E731
+    assert got == want or rate(got) == pytest.approx(rate(want), rel=1e-9)  # equal, or a tie as good
 
 
 def test_shadow_scores_a_proposal_against_the_tokens_that_follow():
