@@ -269,13 +269,15 @@ class DraftPolicy:
         """A draft value no step of ``num`` rows drafts at: if no request's first draft is worth
         more, no ``m`` drafts pay, since each is worth at most that (values fall along a
         proposal). ``m`` pays when ``(num + m * v) / verify(num, m)`` beats plain decoding,
-        i.e. ``v > (best * verify(num, m) - num) / m``; the floor is that bound's least
-        over every ``m`` a step could verify."""
+        i.e. ``v > (best * verify(num, m) - num) / m``; the floor is that bound's least over
+        every ``m`` a step could verify. ``verify(num, m)`` is linear in ``m`` between the
+        curves' points, where the bound is monotone, so only those points and the ends count."""
         floor = self._floors.get(num)
         if floor is None:
-            cost = self.step_cost
+            cost, top = self.step_cost, num * self.max_k
             best = num / cost.decode(num) * self.min_gain
-            bounds = ((best * cost.verify(num, m) - num) / m for m in range(1, num * self.max_k + 1))
+            ends = {1, top} | {t - r for r, curve in cost.verify_curves.items() for t, _ in curve if 1 <= t - r <= top}
+            bounds = ((best * cost.verify(num, m) - num) / m for m in ends if m >= 1)
             floor = self._floors[num] = min(bounds, default=0.0) * (1 - 1e-9)  # a float sum may round up
         return floor
 

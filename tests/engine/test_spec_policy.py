@@ -96,11 +96,24 @@ _states = st.builds(DraftState, start_kept=_counts, start_missed=_counts.map(lam
                     next_kept=_counts, next_missed=_counts.map(lambda x: x + 0.1), in_run=st.booleans())
 
 
-@given(st.lists(st.tuples(_states, st.integers(0, 4)), min_size=1, max_size=3), st.sampled_from([1.0, 1.1, 1.3]))
-def test_allocation_is_the_best_split_of_drafts(requests, min_gain):
+_STEP_COSTS = [
+    None,  # the default (measured) curves
+    StepCost.linear(0.05),
+    StepCost({1: ((1, 1.0), (2, 1.0))}),  # drafts cost nothing
+    StepCost({1: ((1, 1.0), (2, 1.6), (3, 1.7), (5, 1.8)), 2: ((2, 1.2), (4, 2.5), (9, 3.0))}),  # concave, two curves
+    StepCost({1: ((1, 1.0), (2, 1.1), (3, 1.2), (5, 3.0))}),  # the first two drafts cheap, the rest dear
+]
+
+
+@given(
+    st.lists(st.tuples(_states, st.integers(0, 4)), min_size=1, max_size=3),
+    st.sampled_from([1.0, 1.1, 1.3]),
+    st.sampled_from(range(len(_STEP_COSTS))),
+)
+def test_allocation_is_the_best_split_of_drafts(requests, min_gain, cost):
     """The policy's greedy pick (values sorted, best prefix) and its early exit for
     requests whose first draft is worth too little agree with trying every split."""
-    policy = DraftPolicy(max_k=4, min_gain=min_gain)
+    policy = DraftPolicy(max_k=4, step_cost=_STEP_COSTS[cost], min_gain=min_gain)
     states, caps = [s for s, _ in requests], [c for _, c in requests]
     got, want = policy.allocate(states, caps), _best_split(policy, states, caps)
     rate = lambda split: _expected_tokens(states, split) / policy.step_cost.verify(len(split), sum(split))  # noqa: E731
