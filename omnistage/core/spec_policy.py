@@ -58,8 +58,8 @@ agreeing head reaches the allocation's bar in a few steps, not after idle
 gaps. The back-off is also the engine's: a probe waits at least as long
 as the longest gap any request's probe has reached since a probe was last
 kept whole anywhere. So once a head has failed a request through its
-back-off, the next requests are probed at once (every request is, a head
-may suit one text and not another) and then only every 64 steps, instead
+back-off, the next requests are probed at once (every request still is: a
+head may suit one text and not another) and then only every 64 steps, instead
 of walking the back-off again each; one probe kept whole, by any request,
 sets the engine's back-off back to 8. A probe's proposal is scored in the
 shadow across the steps that follow, never verified: it costs the head's
@@ -242,6 +242,8 @@ class DraftPolicy:
     def allocate(self, states: Sequence[DraftState], caps: Sequence[int]) -> list[int]:
         """Drafts for each of a step's decoding requests (``caps[i]``: at most that many for request ``i``)."""
         num = len(states)
+        if not num:
+            return []
         firsts = [(s.next_rate if s.in_run else s.start_rate) if c > 0 else 0.0 for s, c in zip(states, caps)]
         if max(firsts, default=0.0) <= self._floor(num):  # the common case of text that does not copy
             return [0] * num
@@ -277,8 +279,8 @@ class DraftPolicy:
             cost, top = self.step_cost, num * self.max_k
             best = num / cost.decode(num) * self.min_gain
             ends = {1, top} | {t - r for r, curve in cost.verify_curves.items() for t, _ in curve if 1 <= t - r <= top}
-            bounds = ((best * cost.verify(num, m) - num) / m for m in ends if m >= 1)
-            floor = self._floors[num] = min(bounds, default=0.0) * (1 - 1e-9)  # a float sum may round up
+            bounds = ((best * cost.verify(num, m) - num) / m for m in ends)
+            floor = self._floors[num] = min(bounds) * (1 - 1e-9)  # a float sum may round up
         return floor
 
     def num_drafts(self, state: DraftState, batch_size: int = 1) -> int:

@@ -271,9 +271,10 @@ class EagleProposer:
     def _keep(
         self, step: BatchStep, target_hidden: torch.Tensor, skip: list[int], computed: list[int], counts: list[int]
     ) -> None:
-        """Copy the skipping requests' rows of this step (``counts[i]`` from its start) into
-        their windows: a slice copy for one request (its rows are consecutive on both sides,
-        the idle batch-1 case every step), else one gather-scatter for all."""
+        """Copy the skipping requests' rows of this step (``counts[i]`` from request ``i``'s
+        first; a new window starts at its ``computed[i]``) into their windows: a slice copy for
+        one request (its rows are consecutive on both sides: the idle batch-1 step), else one
+        gather-scatter for all."""
         starts = step.query_start_loc
         stride = self._pool.shape[1]  # a slot's rows (``window`` may be set lower, never higher)
         segments = []  # (first row in the step, first row in the pool, rows)
