@@ -56,16 +56,17 @@ allocation drafts again), so a request whose text turns predictable is
 noticed; a probe kept whole is followed at once by a full-``k`` one, so an
 agreeing head reaches the allocation's bar in a few steps, not after idle
 gaps. The back-off is also the engine's: a probe waits at least as long
-as the longest gap any request's probe has reached since a probe was last
-kept whole anywhere. So once a head has failed a request through its
-back-off, the next requests are probed at once (every request still is: a
-head may suit one text and not another) and then only every 64 steps, instead
-of walking the back-off again each; one probe kept whole, by any request,
-sets the engine's back-off back to 8. A probe's proposal is scored in the
-shadow across the steps that follow, never verified: it costs the head's
-passes but no verify step (on a 2-core CPU a batch-8 step with one draft
-per row costs 1.5x a decode step, with four 2.9x), so a head that never
-agrees costs one head pass every 64 tokens at most.
+as the longest gap any request's probe has reached since a probe or a
+verified run was last kept whole, by any request. So once a head has
+failed a request through its back-off, the next requests are probed at
+once (every request still is: a head may suit one text and not another)
+and then only every 64 steps, instead of walking the back-off again each;
+while the head agrees somewhere, each request walks its own from 8. A
+probe's proposal is scored in the shadow across the steps that follow,
+never verified: it costs the head's passes but no verify step (on a 2-core
+CPU a batch-8 step with one draft per row costs 1.5x a decode step, with
+four 2.9x), so a head that never agrees costs one head pass every 64
+tokens at most.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class DraftPolicy:
         self.min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
         self._floors: dict[int, float] = {}  # per batch size, see _floor
         # The engine's probe back-off: the longest idle gap a probe has been given since a
-        # probe was last kept whole (by any request); no probe waits less.
+        # probe or a verified run was last kept whole (by any request); no probe waits less.
         self.probe_gap = PROBE_FIRST_GAP
 
     def allocate(self, states: Sequence[DraftState], caps: Sequence[int]) -> list[int]:
@@ -310,11 +311,14 @@ class DraftPolicy:
         return self.max_k if full else 1
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
-        """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept."""
+        """A verified run: ``num_accepted`` of ``num_drafts`` drafts kept (a drafter's; one kept
+        whole, like a probe kept whole, sets the engine's probe back-off back to its start)."""
         for _ in range(num_accepted):
             self._score(state, True)
         if num_accepted < num_drafts:
             self._score(state, False)
+        elif num_drafts:
+            self.probe_gap = PROBE_FIRST_GAP
 
     def shadow(self, state: DraftState, proposal: list[int]) -> None:
         """Score ``proposal`` (verified or not) against the tokens that follow, in place of any

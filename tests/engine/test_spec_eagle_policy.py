@@ -61,6 +61,13 @@ def test_the_back_off_carries_over_to_new_requests_until_a_probe_is_kept_whole()
     # A probe kept whole (by any request) resets the engine's back-off: the next request walks it anew.
     assert probe_steps(DraftState(), 2, keep={0}) == [0, 1]  # kept whole: a full probe follows at once
     assert probe_steps(DraftState(), 1 + PROBE_FIRST_GAP + 1) == [0, PROBE_FIRST_GAP + 1]
+    # So does a verified run kept whole (a request the allocation drafts for).
+    probe_steps(DraftState(), 200)
+    assert policy.probe_gap == PROBE_MAX_GAP
+    policy.observe(DraftState(), K, K - 1)  # cut short: no change
+    assert policy.probe_gap == PROBE_MAX_GAP
+    policy.observe(DraftState(), K, K)
+    assert probe_steps(DraftState(), 1 + PROBE_FIRST_GAP + 1) == [0, PROBE_FIRST_GAP + 1]
 
 
 def test_a_probe_kept_whole_is_followed_at_once_by_a_full_one():
