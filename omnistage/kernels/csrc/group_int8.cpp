@@ -511,18 +511,18 @@ int screened_argmax(const float* x, long M, long K, const void* q, const uint16_
 #pragma omp critical
         for (long r = 0; r < M; r++) floor[r] = fmaxf(floor[r], _mm512_reduce_max_ps(_mm512_loadu_ps(lo.data() + r * 16)));
     }
+    std::vector<float> xsum(M * groups);  // as gemm's factored path sums them
+    group_sums(x, M, K, xsum.data());
     int ok = 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (long r = 0; r < M; r++) {
         const float* xr = x + r * K;
-        std::vector<float> xsum(groups);  // as gemm's factored path sums them
-        group_sums(xr, 1, K, xsum.data());
         float best = -INFINITY;
         long best_id = -1;
         alignas(64) float y[kTile];
         for (long t = 0; t < tiles && best_id != -2; t++) {
             if (hi[r * halves + 2 * t] < floor[r] && hi[r * halves + 2 * t + 1] < floor[r]) continue;
-            rows_times_tile<1, 8>(xr, xsum.data(), K, (const uint8_t*)q + t * K * kTile, d + t * groups * kTile,
+            rows_times_tile<1, 8>(xr, xsum.data() + r * groups, K, (const uint8_t*)q + t * K * kTile, d + t * groups * kTile,
                                   m + t * groups * kTile, y, kTile);
             for (long c = 0; c < kTile; c++) {
                 if (isnan(y[c])) { best_id = -2; break; }
