@@ -522,8 +522,8 @@ int screened_argmax(const float* x, long M, long K, const void* q, const uint16_
         alignas(64) float y[kTile];
         for (long t = 0; t < tiles && best_id != -2; t++) {
             if (hi[r * halves + 2 * t] < floor[r] && hi[r * halves + 2 * t + 1] < floor[r]) continue;
-            rows_times_tile<1, 8>(xr, xsum.data() + r * groups, K, (const uint8_t*)q + t * K * kTile, d + t * groups * kTile,
-                                  m + t * groups * kTile, y, kTile);
+            rows_times_tile<1, 8>(xr, xsum.data() + r * groups, K, (const uint8_t*)q + t * K * kTile,
+                                  d + t * groups * kTile, m + t * groups * kTile, y, kTile);
             for (long c = 0; c < kTile; c++) {
                 if (isnan(y[c])) { best_id = -2; break; }
                 if (y[c] > best || best_id == -1) best = y[c], best_id = t * kTile + c;
