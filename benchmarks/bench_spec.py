@@ -5,13 +5,13 @@ both emit the same tokens, which is checked):
 
 1. copy-heavy prompts (rewrite a JSON object with one field changed, fix
    the typos in a paragraph, extract the sentences that mention a word,
-   edit a function): decode tokens/s with ``ngram`` vs off, batch 1 and
-   batch 8 (targets 1.5x and 1.2x). A batch of 8 runs until its last
-   request ends, so its time is at least that request's steps: where the
-   model answers a task without copying (it rewrites the function in its
-   own words), that request decodes a token a step either way, and every
-   draft its neighbours verify lengthens its steps. So each copy task is
-   also run alone at batch 8 (``copy:<task>``, no target), to show which
+   fix the bug in a function): decode tokens/s with ``ngram`` vs off,
+   batch 1 and batch 8 (targets 1.5x and 1.2x). A batch of 8 runs until
+   its last request ends, so its time is at least that request's steps:
+   where the model's answer leaves the text it copies every few tokens
+   (the typos), that request decodes about a token a step either way, and
+   every draft its neighbours verify lengthens its steps. So each copy task
+   is also run alone at batch 8 (``copy:<task>``, no target), to show which
    tasks copy and how far a batch that copies throughout goes. Beside each
    prompt-lookup row, its ceiling, measured: a third engine runs the same
    prompts side by side with the other two, and each of its steps verifies
@@ -91,10 +91,11 @@ _STORY = (
     "flour from the mill. A storm had closed the river road last week. Customers asked about the river "
     "festival. Tom said the mill would close early. Maria baked extra bread for the festival."
 )
-_FUNC = (
-    "def total_price(items, tax):\n    total = 0\n    for item in items:\n        total = total + item.price * "
-    "item.quantity\n    total = total * (1 + tax)\n    return total\n"
-)
+# The function task: the 135M model copies this four-line function with its bug fixed.
+# A six-line one with a loop it rewrote in its own words under every phrasing tried
+# (renaming a variable, adding a line, a docstring or comments, fixing a misspelt name),
+# copying little more than its first line.
+_FUNC = 'def greet(name):\n    message = "Hello, " + name\n    print(mesage)\n    return message\n'
 COPY_TASKS = {
     "json": lambda i: (
         f"Rewrite this JSON object with the city changed to Paris. Output only the JSON.\n{_JSON % ('Lyon' + str(i))}"
@@ -102,7 +103,7 @@ COPY_TASKS = {
     "typos": lambda i: f"Fix the typos in this paragraph and output the corrected paragraph ({i}):\n{_TYPOS}",
     "extract": lambda i: f"Copy the sentences of this text that mention the river, one per line ({i}):\n{_STORY}",
     "function": lambda i: (
-        f"Rename the variable total to amount in this function and output the whole function ({i}):\n{_FUNC}"
+        f"Fix the bug in this function and output the whole corrected function ({i}):\n```python\n{_FUNC}```"
     ),
 }
 CHAT_TOPICS = [
