@@ -126,8 +126,12 @@ class Scheduler:
         self.num_drafts = 0
         self._worth_drafting: dict[str, int] = {}  # this step's drafts per request, the policy's allocation
         spec = config.speculative_config
-        self.draft_policy = DraftPolicy(spec.num_speculative_tokens) if spec is not None else None
+        self.draft_policy: DraftPolicy | None = None
+        if spec is not None:  # a drafter's proposals come after the allocation: no word pieces to price
+            pieces = frozenset() if spec.uses_drafter else spec.word_piece_ids
+            self.draft_policy = DraftPolicy(spec.num_speculative_tokens, word_pieces=pieces)
         self._drafter_ks: dict[str, int] = {}  # this step's worker-drafter asks, decided once per request
+        self._lookups: dict[str, list[int]] = {}  # this step's prompt-lookup proposals
         self.accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         self.encoder: EncoderScheduler | None = None
         if config.encoder_cache_size > 0:
@@ -362,18 +366,45 @@ class Scheduler:
         return request.payload is None
 
     def _allocate_drafts(self) -> dict[str, int]:
-        """The draft policy's split of this step's drafts over the running requests that decode."""
+        """The draft policy's split of this step's drafts over the running requests that decode.
+
+        Prompt lookup proposes first, so the split prices each request's actual
+        proposal: a short one or none leaves its share to the others, and drafts
+        inside split words are priced apart (``DraftPolicy.allocate``)."""
         policy = self.draft_policy
         if policy is None:
             return {}
+        cfg = self.config.speculative_config
         decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
-        caps = []
-        for r in decoding:
-            left = r.sampling_params.max_tokens
-            cap = policy.max_k if left is None else min(policy.max_k, left - r.num_output_tokens - 1)
-            caps.append(cap if self.can_speculate(r) else 0)
-        ks = policy.allocate([r.draft_state for r in decoding], caps)
+        caps = [self._max_drafts(r) if self.can_speculate(r) else 0 for r in decoding]
+        if cfg.uses_drafter:
+            ks = policy.allocate([r.draft_state for r in decoding], caps)
+            return {r.request_id: k for r, k in zip(decoding, ks)}
+        self._lookups = {}
+        for r, cap in zip(decoding, caps):
+            if cap > 0:
+                lookup = propose_ngram(
+                    r.all_token_ids, cap, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids
+                )
+                proposal = _through_stop(lookup, r)
+                # Every step's proposal, whole, is scored against the tokens the step emits, verified
+                # or not (a lookup costs microseconds; the token after the verified ones counts too).
+                policy.shadow(r.draft_state, proposal)
+                self._lookups[r.request_id] = proposal
+        proposals = [self._lookups.get(r.request_id, []) for r in decoding]
+        ks = policy.allocate([r.draft_state for r in decoding], [len(p) for p in proposals], proposals)
         return {r.request_id: k for r, k in zip(decoding, ks)}
+
+    def _max_drafts(self, request: Request, budget: int | None = None) -> int:
+        """Drafts that fit ``request``'s next step with their bonus token: the configured
+        ``k``, the context length, ``max_tokens`` and the step's token ``budget``."""
+        k = min(self.config.speculative_config.num_speculative_tokens, self.max_len(request) - request.num_tokens - 1)
+        if budget is not None:
+            k = min(k, budget - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - request.num_output_tokens - 1)
+        return max(k, 0)
 
     def _propose(self, request: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for a decode step (``n == 1``, the last known token
@@ -384,29 +415,19 @@ class Scheduler:
             return []
         if not self.can_speculate(request):
             return []
-        k = min(cfg.num_speculative_tokens, budget - 1, self.max_len(request) - request.num_tokens - 1)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            k = min(k, max_tokens - request.num_output_tokens - 1)
+        k = self._max_drafts(request, budget)
         if k < 1:
             return []
+        if not cfg.uses_drafter:  # this step's lookup, cut to the policy's allocation
+            proposal = self._lookups.get(request.request_id, [])
+            return proposal[: min(k, self._worth_drafting.get(request.request_id, 0))]
         policy, state = self.draft_policy, request.draft_state
-        if cfg.uses_drafter:  # what the worker's drafter proposed after the request's last step
-            proposal, request.draft_token_ids = request.draft_token_ids, []
-            drafts = _through_stop(take_worker_drafts(proposal, k, cfg.banned_token_ids), request)
-            if policy is not None and state.probing:  # a probe: scored in the shadow, not verified
-                policy.shadow(state, drafts)
-                return []
-            return drafts
-        assert policy is not None
-        proposal = _through_stop(
-            propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids),
-            request,
-        )
-        # Every step's proposal, whole, is scored against the tokens the step emits, verified
-        # or not (a lookup costs microseconds; the token after the verified ones counts too).
-        policy.shadow(state, proposal)
-        return proposal[: self._worth_drafting.get(request.request_id, 0)]
+        proposal, request.draft_token_ids = request.draft_token_ids, []  # what the drafter proposed last step
+        drafts = _through_stop(take_worker_drafts(proposal, k, cfg.banned_token_ids), request)
+        if policy is not None and state.probing:  # a probe: scored in the shadow, not verified
+            policy.shadow(state, drafts)
+            return []
+        return drafts
 
     def _num_drafts(self, request: Request) -> int:
         """How many tokens a worker drafter proposes for ``request`` after this step

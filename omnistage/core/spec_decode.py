@@ -37,8 +37,9 @@ class SpeculativeConfig:
 
     ``model`` is the EAGLE head's checkpoint folder (``eagle`` only; the
     prompt-lookup bounds are 0 there). ``banned_token_ids`` are never proposed (multimodal placeholder ids: a
-    draft of a pad id could only be rejected); the engine fills them from the
-    model, they are not a user key.
+    draft of a pad id could only be rejected); ``word_piece_ids`` are the tokens that continue a word
+    rather than start one (the draft policy prices drafts inside split words apart). The engine fills
+    both from the model and its tokenizer; they are not user keys.
     """
 
     method: str
@@ -46,6 +47,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     banned_token_ids: frozenset[int] = field(default_factory=frozenset)
+    word_piece_ids: frozenset[int] = field(default_factory=frozenset)
     model: str | None = None
 
     @property
@@ -90,8 +92,10 @@ class SpeculativeConfig:
             raise ValueError(f"{where}: 'prompt_lookup_min'={n_min} exceeds 'prompt_lookup_max'={n_max}")
         return cls("ngram", k, n_max, n_min)
 
-    def with_banned(self, token_ids: Collection[int]) -> SpeculativeConfig:
-        return dataclasses.replace(self, banned_token_ids=frozenset(int(t) for t in token_ids))
+    def for_model(self, banned: Collection[int], word_pieces: Collection[int]) -> SpeculativeConfig:
+        """This config with the model's ``banned_token_ids`` and ``word_piece_ids``."""
+        banned_ids, piece_ids = frozenset(int(t) for t in banned), frozenset(int(t) for t in word_pieces)
+        return dataclasses.replace(self, banned_token_ids=banned_ids, word_piece_ids=piece_ids)
 
 
 def _check_positive(where: str, key: str, value: Any) -> None:

@@ -19,7 +19,16 @@ Model (plain arithmetic, deterministic given the cost curve):
   request stands, each further one ``next_rate`` times the one before.
   (One rate mixes the two: text copied with an edit every few words reads
   about 0.8, which drafts one or two a step at batch 8 where an oracle
-  verifies runs of eight.)
+  verifies runs of eight.) Prompt lookup's drafts are known when the step
+  is split, and a third rate, ``piece_rate``, prices those inside a word
+  the tokenizer splits into pieces (a piece, or a token a piece follows;
+  ``word_pieces``), wherever they stand: edits fall there (a misspelt word,
+  a wrong name), so a request fixing typos learns that its split words are
+  rewritten and its whole words copied, and drafts up to the next split
+  word; one copying an e-mail address learns that its pieces copy too. On
+  recorded outputs of the typo task, a proposal's first draft was kept 43%
+  of the time inside a split word and 85% outside, its later ones 56% and
+  89%.
 - Cost: ``StepCost``, relative to a one-token decode step: plain decode
   steps by their row count, and what drafts add to a step by how many
   rows it has (at one row the kernels' small-row paths make the first
@@ -71,7 +80,7 @@ tokens at most.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -101,6 +110,9 @@ DEFAULT_DECAY = 0.8
 # recorded copy prompts, starting both at 0.5 drafted later and lost 3% at batch 8.
 PRIOR_START = (0.5, 1.5)
 PRIOR_NEXT = (1.5, 0.5)
+# ... and for a draft inside a word the tokenizer splits into pieces (prompt lookup only):
+# a coin toss until the request shows whether its edits fall there.
+PRIOR_PIECE = (1.0, 1.0)
 # A drafter's probes of a request that stopped drafting: the first idle gap
 # (in sampling steps) and the longest one (each failed probe doubles it). At 8
 # a head that never agrees is probed 4 times in a 96-token reply (at once, then
@@ -120,6 +132,8 @@ class DraftState:
     start_missed: float = PRIOR_START[1]
     next_kept: float = PRIOR_NEXT[0]  # ... and of tokens right after a predicted one
     next_missed: float = PRIOR_NEXT[1]
+    piece_kept: float = PRIOR_PIECE[0]  # ... and of tokens drafted inside a split word, wherever they stood
+    piece_missed: float = PRIOR_PIECE[1]
     in_run: bool = False  # the request's last token was the one its proposal predicted
     shadow: list[int] = field(default_factory=list)  # the proposal being scored (verified or not)
     shadow_matched: int = 0  # its tokens matched so far
@@ -131,7 +145,7 @@ class DraftState:
     @classmethod
     def with_counts(cls, kept: float, missed: float) -> DraftState:
         """A record with one rate, ``kept / (kept + missed)``, wherever a draft stands."""
-        return cls(start_kept=kept, start_missed=missed, next_kept=kept, next_missed=missed)
+        return cls(kept, missed, kept, missed, piece_kept=kept, piece_missed=missed)
 
     @property
     def start_rate(self) -> float:
@@ -142,6 +156,11 @@ class DraftState:
     def next_rate(self) -> float:
         """Estimated probability that a draft is kept given the token before it was predicted."""
         return self.next_kept / (self.next_kept + self.next_missed)
+
+    @property
+    def piece_rate(self) -> float:
+        """Estimated probability that a draft inside a split word is kept."""
+        return self.piece_kept / (self.piece_kept + self.piece_missed)
 
 
 class StepCost:
@@ -230,8 +249,10 @@ class DraftPolicy:
         step_cost: StepCost | None = None,
         decay: float = DEFAULT_DECAY,
         min_gain: float | None = None,
+        word_pieces: Collection[int] = frozenset(),
     ) -> None:
         self.max_k = max_k
+        self.word_pieces = frozenset(word_pieces)
         self.step_cost = step_cost if step_cost is not None else StepCost(DEFAULT_VERIFY_COSTS, DEFAULT_DECODE_COSTS)
         self.decay = decay
         self.min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
@@ -240,20 +261,28 @@ class DraftPolicy:
         # probe or a verified run was last kept whole (by any request); no probe waits less.
         self.probe_gap = PROBE_FIRST_GAP
 
-    def allocate(self, states: Sequence[DraftState], caps: Sequence[int]) -> list[int]:
-        """Drafts for each of a step's decoding requests (``caps[i]``: at most that many for request ``i``)."""
+    def allocate(
+        self,
+        states: Sequence[DraftState],
+        caps: Sequence[int],
+        proposals: Sequence[Sequence[int]] | None = None,
+    ) -> list[int]:
+        """Drafts for each of a step's decoding requests (``caps[i]``: at most that many for request
+        ``i``; ``proposals[i]``: its drafts, when known, so that those inside split words are priced
+        at the request's ``piece_rate``)."""
         num = len(states)
         if not num:
             return []
-        firsts = [(s.next_rate if s.in_run else s.start_rate) if c > 0 else 0.0 for s, c in zip(states, caps)]
+        drafts = proposals if proposals is not None else [()] * num
+        firsts = [self._rate(s, d, 0) if c > 0 else 0.0 for s, c, d in zip(states, caps, drafts)]
         if max(firsts, default=0.0) <= self._floor(num):  # the common case of text that does not copy
             return [0] * num
         values = []  # (the chance that a draft and all before it are kept, its request)
-        for i, (state, cap, value) in enumerate(zip(states, caps, firsts)):
-            rate = state.next_rate
-            for _ in range(min(cap, self.max_k)):
+        for i, (state, cap, proposal) in enumerate(zip(states, caps, drafts)):
+            value = 1.0
+            for j in range(min(cap, self.max_k)):
+                value *= self._rate(state, proposal, j)
                 values.append((value, i))
-                value *= rate
         values.sort(key=lambda v: -v[0])  # each request's values fall, so the best m are prefixes
         cost = self.step_cost
         best_m, best_rate = 0, num / cost.decode(num) * self.min_gain
@@ -267,6 +296,19 @@ class DraftPolicy:
         for _, i in values[:best_m]:
             out[i] += 1
         return out
+
+    def _rate(self, state: DraftState, proposal: Sequence[int], j: int) -> float:
+        """The chance that draft ``j`` is kept given that those before it are."""
+        if self._in_split_word(proposal, j):
+            return state.piece_rate
+        return state.next_rate if j or state.in_run else state.start_rate
+
+    def _in_split_word(self, proposal: Sequence[int], j: int) -> bool:
+        """Draft ``j`` is a word piece, or the start of a word whose next piece follows it."""
+        pieces = self.word_pieces
+        if not pieces or j >= len(proposal):
+            return False
+        return proposal[j] in pieces or (j + 1 < len(proposal) and proposal[j + 1] in pieces)
 
     def _floor(self, num: int) -> float:
         """A draft value no step of ``num`` rows drafts at: if no request's first draft is worth
@@ -336,8 +378,9 @@ class DraftPolicy:
         if not state.shadow:
             return
         for t in tokens:
-            matched = t == state.shadow[state.shadow_matched]
-            self._score(state, matched)
+            j = state.shadow_matched
+            matched = t == state.shadow[j]
+            self._score(state, matched, piece=self._in_split_word(state.shadow, j))
             state.shadow_matched += matched
             if not matched or state.shadow_matched == len(state.shadow):  # the run is over
                 if matched:  # kept whole: a drafter probes again at once, at full length
@@ -346,10 +389,13 @@ class DraftPolicy:
                 state.shadow = []
                 return
 
-    def _score(self, state: DraftState, kept: bool) -> None:
-        """One token against the draft that stood for it, counted where the request stood."""
+    def _score(self, state: DraftState, kept: bool, piece: bool = False) -> None:
+        """One token against the draft that stood for it, counted where the request stood
+        (``piece``: the draft was inside a split word, wherever it stood)."""
         d = self.decay
-        if state.in_run:
+        if piece:
+            state.piece_kept, state.piece_missed = state.piece_kept * d + kept, state.piece_missed * d + (not kept)
+        elif state.in_run:
             state.next_kept, state.next_missed = state.next_kept * d + kept, state.next_missed * d + (not kept)
         else:
             state.start_kept, state.start_missed = state.start_kept * d + kept, state.start_missed * d + (not kept)

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop-string matching for one completion."""
+"""How token ids read as text: incremental detokenization and stop-string matching for one
+completion, and which tokens of a vocabulary continue a word."""
 
 from __future__ import annotations
 
@@ -86,3 +87,22 @@ def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[st
         if idx >= 0 and (best is None or idx < best[1]):
             best = (s, idx)
     return best
+
+
+# What tokenizers put at the start of a token that begins a word: byte-level BPE's space,
+# newline and tab (GPT-2, Llama 3, Qwen, SmolLM), SentencePiece's space (Llama 2, Gemma).
+_WORD_START = ("\u0120", "\u010a", "\u0109", "\u2581")
+
+
+def word_piece_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokens that continue a word: their text starts with a letter or digit and
+    carries no word-start marker (``"ed"`` in ``" jump" "ed"``). A misspelt or rare word
+    is split into such pieces, which is where a copy gets edited. Empty for a vocabulary
+    whose merged tokens carry no markers, where nothing tells a piece from a word."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    if not any(t and len(t) > 1 and t.startswith(_WORD_START) for t in tokens):
+        return frozenset()
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    return frozenset(
+        i for i, t in enumerate(tokens) if t and t[0].isalnum() and not t.startswith(_WORD_START) and i not in special
+    )

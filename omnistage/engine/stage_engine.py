@@ -28,6 +28,7 @@ from omnistage.core.request import Request, RequestStatus
 from omnistage.core.scheduler import Scheduler
 from omnistage.core.spec_decode import SpeculativeConfig
 from omnistage.engine.arg_utils import EngineArgs
+from omnistage.engine.detokenizer import word_piece_ids
 from omnistage.engine.input_processor import InputProcessor, ProcessedInputs, PromptType
 from omnistage.engine.output_processor import OutputProcessor
 from omnistage.engine.stage import StageHeld, StageSpec
@@ -242,7 +243,8 @@ class StageEngine:
                 "beyond token ids; speculation runs on text, vision-language and omni thinker stages"
             )
         placeholders = getattr(mm_processor, "placeholder_ids", None) or {}
-        return config.with_banned(placeholders.values())
+        pieces = word_piece_ids(loaded_model.tokenizer) if not config.uses_drafter else ()
+        return config.for_model(placeholders.values(), pieces)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> StageEngine:

@@ -18,9 +18,14 @@ from hypothesis import strategies as st
 from test_spec_ngram import NGRAM, _in_cycle, copying  # noqa: F401  (copying is a fixture)
 from utils_engine import PROMPTS, make_engine, run_all
 
+from omnistage.core.config import SchedulerConfig
+from omnistage.core.scheduler import Scheduler
+from omnistage.core.spec_decode import SpeculativeConfig
 from omnistage.core.spec_policy import DraftPolicy, DraftState, StepCost
+from omnistage.engine.detokenizer import word_piece_ids
 from omnistage.entrypoints.openai.metrics import ServerMetrics, normalize_engine_stats
 from omnistage.sampling_params import SamplingParams
+from omnistage.testing.tiny_checkpoints import build_tiny_tokenizer
 
 
 def _ids(outs):
@@ -68,24 +73,32 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
         StepCost({2: ((2, 1.0), (1, 2.0))})
 
 
-def _expected_tokens(states: list[DraftState], split: list[int]) -> float:
-    """A step's tokens if request ``i`` verifies ``split[i]`` drafts, as the policy values them."""
+def _expected_tokens(states: list[DraftState], split: list[int], proposals=None, pieces=frozenset()) -> float:
+    """A step's tokens if request ``i`` verifies ``split[i]`` drafts, as the policy values them:
+    a draft inside a split word (a piece, or followed by one) at the request's piece rate, a
+    run's first at its start rate unless it stands in a run, every other at its next rate."""
     tokens = float(len(states))
-    for s, k in zip(states, split):
-        value = s.next_rate if s.in_run else s.start_rate
-        for _ in range(k):
-            tokens, value = tokens + value, value * s.next_rate
+    for i, (s, k) in enumerate(zip(states, split)):
+        d = proposals[i] if proposals is not None else []
+        value = 1.0
+        for j in range(k):
+            if j < len(d) and (d[j] in pieces or (j + 1 < len(d) and d[j + 1] in pieces)):
+                value *= s.piece_rate
+            else:
+                value *= s.next_rate if j or s.in_run else s.start_rate
+            tokens += value
     return tokens
 
 
-def _best_split(policy: DraftPolicy, states: list[DraftState], caps: list[int]) -> list[int]:
+def _best_split(policy: DraftPolicy, states: list[DraftState], caps: list[int], proposals=None) -> list[int]:
     """The documented rule, by brute force: every way to split drafts over the requests
     (prefixes of each one's proposal), the one with the most expected tokens per unit
     time, if it beats plain decoding by ``min_gain``; no drafts otherwise."""
     num, cost = len(states), policy.step_cost
     best, best_rate = [0] * num, num / cost.decode(num) * policy.min_gain
     for split in itertools.product(*(range(min(c, policy.max_k) + 1) for c in caps)):
-        rate = _expected_tokens(states, split) / cost.verify(num, sum(split))
+        tokens = _expected_tokens(states, split, proposals, policy.word_pieces)
+        rate = tokens / cost.verify(num, sum(split))
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = list(split), rate
     return best
@@ -93,7 +106,8 @@ def _best_split(policy: DraftPolicy, states: list[DraftState], caps: list[int]) 
 
 _counts = st.floats(0.0, 20.0).map(lambda x: round(x, 1))
 _states = st.builds(DraftState, start_kept=_counts, start_missed=_counts.map(lambda x: x + 0.1),
-                    next_kept=_counts, next_missed=_counts.map(lambda x: x + 0.1), in_run=st.booleans())
+                    next_kept=_counts, next_missed=_counts.map(lambda x: x + 0.1), in_run=st.booleans(),
+                    piece_kept=_counts, piece_missed=_counts.map(lambda x: x + 0.1))
 
 
 _STEP_COSTS = [
@@ -106,17 +120,21 @@ _STEP_COSTS = [
 
 
 @given(
-    st.lists(st.tuples(_states, st.integers(0, 4)), min_size=1, max_size=3),
+    st.lists(st.tuples(_states, st.lists(st.sampled_from([1, 2, 9]), max_size=4)), min_size=1, max_size=3),
     st.sampled_from([1.0, 1.1, 1.3]),
     st.sampled_from(range(len(_STEP_COSTS))),
+    st.booleans(),
 )
-def test_allocation_is_the_best_split_of_drafts(requests, min_gain, cost):
+def test_allocation_is_the_best_split_of_drafts(requests, min_gain, cost, known):
     """The policy's greedy pick (values sorted, best prefix) and its early exit for
-    requests whose first draft is worth too little agree with trying every split."""
-    policy = DraftPolicy(max_k=4, step_cost=_STEP_COSTS[cost], min_gain=min_gain)
-    states, caps = [s for s, _ in requests], [c for _, c in requests]
-    got, want = policy.allocate(states, caps), _best_split(policy, states, caps)
-    rate = lambda split: _expected_tokens(states, split) / policy.step_cost.verify(len(split), sum(split))  # noqa: E731
+    requests whose first draft is worth too little agree with trying every split,
+    with the proposals known (token 9 a word piece) or only their lengths."""
+    policy = DraftPolicy(max_k=4, step_cost=_STEP_COSTS[cost], min_gain=min_gain, word_pieces={9})
+    states, caps = [s for s, _ in requests], [len(d) for _, d in requests]
+    proposals = [d for _, d in requests] if known else None
+    got, want = policy.allocate(states, caps, proposals), _best_split(policy, states, caps, proposals)
+    tokens = lambda split: _expected_tokens(states, split, proposals, policy.word_pieces)  # noqa: E731
+    rate = lambda split: tokens(split) / policy.step_cost.verify(len(split), sum(split))  # noqa: E731
     assert got == want or rate(got) == pytest.approx(rate(want), rel=1e-9)  # equal, or a tie as good
 
 
@@ -164,6 +182,58 @@ def test_drafts_are_priced_by_where_the_request_stands_in_a_run():
     assert at_start == 0 < in_run[0] and in_run == sorted(in_run) and in_run[-1] >= 4
     one_rate = DraftState.with_counts(6 * 16.0, 6 * 2.0)  # every token above, kept or missed
     assert policy.num_drafts(one_rate, 8) > 0  # at a start too: about one in two of those drafts is wasted
+
+
+def test_drafts_inside_split_words_are_priced_apart():
+    """Text copied with typos fixed: the edits fall on misspelt words, which the tokenizer
+    splits into pieces (here 9 continues the word 3 starts). Priced apart, the request
+    learns that whole words copy and split ones do not: it drafts a clean proposal in
+    full and stops before a split word; one record for both drafts a few of either. A
+    request whose split words copy too (an e-mail address in JSON) drafts through them."""
+    pieces = {9}
+    typo_text, json_text = DraftPolicy(max_k=8, word_pieces=pieces), DraftPolicy(max_k=8, word_pieces=pieces)
+    typos, copies, one_record = DraftState(), DraftState(), DraftState()
+    blind = DraftPolicy(max_k=8)  # the same tokens, no word pieces
+    for _ in range(6):  # six words copied, then a misspelt one that the model rewrites
+        for policy, state in ((typo_text, typos), (blind, one_record)):
+            policy.shadow(state, [1, 2, 1, 2, 1, 2, 3, 9])
+            policy.observe_tokens(state, [1, 2, 1, 2, 1, 2, 4])
+        json_text.shadow(copies, [1, 2, 1, 2, 1, 2, 3, 9])
+        json_text.observe_tokens(copies, [1, 2, 1, 2, 1, 2, 3, 9])
+    assert typos.piece_rate < 0.3 < 0.9 < typos.next_rate
+    for state in (typos, one_record, copies):
+        state.in_run = True  # in the middle of a copied sentence
+    clean, split = [1, 2, 1, 2, 1, 2, 1, 2], [1, 2, 3, 9, 1, 2, 1, 2]
+    assert typo_text.allocate([typos] * 8, [8] * 8, [clean] * 8) == [8] * 8
+    assert typo_text.allocate([typos] * 8, [8] * 8, [split] * 8) == [2] * 8  # up to the split word
+    # One record spreads the misses over every draft: a clean proposal gets a few.
+    assert max(blind.allocate([one_record] * 8, [8] * 8)) < 4
+    assert json_text.allocate([copies] * 8, [8] * 8, [split] * 8) == [8] * 8
+
+
+def test_word_pieces_come_from_the_tokenizer():
+    """The byte-level BPE of the tiny checkpoints: a rare word splits into a word-start token
+    and pieces; pieces are exactly the tokens with no word-start marker that begin with a
+    letter or digit (never a special token). A vocabulary without markers has none."""
+    tokenizer = build_tiny_tokenizer()
+    pieces = word_piece_ids(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    markers = ("\u0120", "\u010a", "\u0109")  # byte-level BPE's space, newline and tab
+    assert pieces == {i for i, t in enumerate(tokens) if t[0].isalnum() and not t.startswith(markers)}
+    assert not pieces & set(tokenizer.all_special_ids)
+    ids = tokenizer.encode(" qzxvjk")
+    assert len(ids) > 1 and ids[0] not in pieces and all(i in pieces for i in ids[1:])
+
+    class Unmarked:  # e.g. a character-level vocabulary
+        all_special_ids = [0]
+
+        def __len__(self):
+            return 4
+
+        def convert_ids_to_tokens(self, ids):
+            return ["<s>", "a", "b", "c"]
+
+    assert word_piece_ids(Unmarked()) == frozenset()
 
 
 # -- the policy in the engine -------------------------------------------------------
@@ -249,6 +319,18 @@ def test_shadow_brings_drafting_back(copying):  # noqa: F811 (the imported fixtu
         engine.step()
         drafted.append(req.num_drafts)
     assert drafted[0] == 0 and drafted[-1] > 0  # off at first, back on from the shadow's evidence
+
+
+def test_prompt_lookup_prices_the_tokenizers_word_pieces(copying):  # noqa: F811 (the imported fixture)
+    """The engine fills the word pieces from the model's tokenizer for prompt lookup; a
+    drafter's proposals come after the allocation, so its policy prices none."""
+    loaded, _ = copying("qwen2", 0.0)
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    pieces = engine.scheduler.draft_policy.word_pieces
+    assert pieces and pieces == word_piece_ids(loaded.tokenizer)
+    eagle = SpeculativeConfig.from_dict({"method": "eagle", "model": "head", "num_speculative_tokens": 2})
+    scheduler = Scheduler(SchedulerConfig(speculative_config=eagle.for_model((), pieces)))
+    assert scheduler.draft_policy.word_pieces == frozenset()
 
 
 # -- metrics ------------------------------------------------------------------------
