@@ -9,10 +9,11 @@ both emit the same tokens, which is checked):
    batch 1 and batch 8 (targets 1.5x and 1.2x). A batch of 8 runs until
    its last request ends, so its time is at least that request's steps:
    where the model's answer leaves the text it copies every few tokens
-   (the typos), that request decodes about a token a step either way, and
-   every draft its neighbours verify lengthens its steps. So each copy task
-   is also run alone at batch 8 (``copy:<task>``, no target), to show which
-   tasks copy and how far a batch that copies throughout goes. Beside each
+   (the typos) or stops copying (the note after the fixed function), that
+   request gains little, and every draft its neighbours verify lengthens
+   its steps. So each copy task is also run alone at batch 8
+   (``copy:<task>``, no target), to show which tasks copy and how far a
+   batch that copies throughout goes. Beside each
    prompt-lookup row, its ceiling, measured: a third engine runs the same
    prompts side by side with the other two, and each of its steps verifies
    exactly the prompt-lookup drafts the model then emits, never a rejected
