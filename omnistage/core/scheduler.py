@@ -374,26 +374,29 @@ class Scheduler:
         policy = self.draft_policy
         if policy is None:
             return {}
-        cfg = self.config.speculative_config
         decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
         caps = [self._max_drafts(r) if self.can_speculate(r) else 0 for r in decoding]
-        if cfg.uses_drafter:
-            ks = policy.allocate([r.draft_state for r in decoding], caps)
-            return {r.request_id: k for r, k in zip(decoding, ks)}
-        self._lookups = {}
-        for r, cap in zip(decoding, caps):
-            if cap > 0:
-                lookup = propose_ngram(
-                    r.all_token_ids, cap, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids
-                )
-                proposal = _through_stop(lookup, r)
-                # Every step's proposal, whole, is scored against the tokens the step emits, verified
-                # or not (a lookup costs microseconds; the token after the verified ones counts too).
-                policy.shadow(r.draft_state, proposal)
-                self._lookups[r.request_id] = proposal
-        proposals = [self._lookups.get(r.request_id, []) for r in decoding]
-        ks = policy.allocate([r.draft_state for r in decoding], [len(p) for p in proposals], proposals)
+        proposals = None
+        if not self.config.speculative_config.uses_drafter:
+            proposals = [self._lookup(r, cap) if cap > 0 else [] for r, cap in zip(decoding, caps)]
+            self._lookups = {r.request_id: p for r, p in zip(decoding, proposals)}
+            caps = [len(p) for p in proposals]
+        ks = policy.allocate([r.draft_state for r in decoding], caps, proposals)
         return {r.request_id: k for r, k in zip(decoding, ks)}
+
+    def _lookup(self, request: Request, k: int) -> list[int]:
+        """``request``'s prompt-lookup proposal of up to ``k`` drafts, through its first stop
+        token, set as its shadow: every step's proposal, whole, is scored against the tokens
+        the step emits, verified or not (a lookup costs microseconds; the token after the
+        verified ones counts too)."""
+        cfg = self.config.speculative_config
+        ids = request.all_token_ids
+        proposal = _through_stop(
+            propose_ngram(ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids), request
+        )
+        assert self.draft_policy is not None
+        self.draft_policy.shadow(request.draft_state, proposal)
+        return proposal
 
     def _max_drafts(self, request: Request, budget: int | None = None) -> int:
         """Drafts that fit ``request``'s next step with their bonus token: the configured
