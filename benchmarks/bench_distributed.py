@@ -232,7 +232,8 @@ def bench_encoder_workers(args: argparse.Namespace) -> None:
         local = {"num_cpus": 2} if address == "local" else {}
         ray.init(address=address, include_dashboard=False, namespace="omnistage", log_to_driver=False, **local)
     torch.set_num_threads(1)  # the engine's share of a 2-core machine; the worker gets the other
-    path = write_heavy_vision_checkpoint(tempfile.mkdtemp(prefix="bench-epd-"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench-epd-")  # removed when this returns
+    path = write_heavy_vision_checkpoint(scratch.name)
     loaded: LoadedModel = load_model(path)
     engines: dict[int, LLMEngine] = {}
     for workers in (0, 1):

@@ -37,9 +37,11 @@ Usage: python benchmarks/bench_gather_cases.py [--rounds N] [--baseline-rev REV 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import io
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -184,7 +186,7 @@ class Workload:
 
 
 def _extract_baseline(rev: str) -> Path:
-    """``omnistage/worker/mm`` of ``rev`` in a temporary folder, via git archive."""
+    """``omnistage/worker/mm`` of ``rev`` in a temporary folder (removed at exit), via git archive."""
     root = Path(__file__).resolve().parent.parent
     blob = subprocess.run(
         ["git", "-C", str(root), "archive", "--format=tar", rev, MM_DIR],
@@ -192,6 +194,7 @@ def _extract_baseline(rev: str) -> Path:
         capture_output=True,
     ).stdout
     folder = Path(tempfile.mkdtemp(prefix=f"gather-baseline-{rev}-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # its modules are imported by then
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(folder, filter="data")
     return folder

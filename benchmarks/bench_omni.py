@@ -263,7 +263,8 @@ def main() -> None:
     if args.side_by_side:
         side_by_side(rounds, args.quick)
         return
-    path = args.checkpoint or write_tiny_qwen2_5_omni(tempfile.mkdtemp(prefix="bench_omni_"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench_omni_")  # removed when main returns
+    path = args.checkpoint or write_tiny_qwen2_5_omni(scratch.name)
     omni = load_qwen2_5_omni(path)
     if args.only == "streaming":
         streaming_section(omni, rounds)
@@ -431,9 +432,10 @@ def side_by_side(rounds: int, quick: bool) -> None:
     from omnistage.models.qwen3_omni import load_qwen3_omni
     from omnistage.testing.tiny_qwen3_omni_checkpoint import write_tiny_qwen3_omni
 
+    scratch = tempfile.TemporaryDirectory(prefix="bench_omni_")  # removed when this returns
     models = {
-        "Qwen2.5-Omni": load_qwen2_5_omni(write_tiny_qwen2_5_omni(tempfile.mkdtemp(prefix="bench_q25_"))),
-        "Qwen3-Omni": load_qwen3_omni(write_tiny_qwen3_omni(tempfile.mkdtemp(prefix="bench_q3_"))),
+        "Qwen2.5-Omni": load_qwen2_5_omni(write_tiny_qwen2_5_omni(f"{scratch.name}/q25")),
+        "Qwen3-Omni": load_qwen3_omni(write_tiny_qwen3_omni(f"{scratch.name}/q3")),
     }
     num, prompt_len = (4, 128) if quick else (8, 256)
     convs, turns, system_len = (2, 3, 256) if quick else (4, 3, 512)

@@ -255,7 +255,8 @@ def main() -> None:
     load_before = os.getloadavg()
 
     loaded = load_model(None)
-    head = write_tiny_eagle_head(loaded.model_path, Path(tempfile.mkdtemp(prefix="bench_spec_eagle_")) / "head")
+    scratch = tempfile.TemporaryDirectory(prefix="bench_spec_eagle_")  # removed when main returns
+    head = write_tiny_eagle_head(loaded.model_path, Path(scratch.name) / "head")
     eagle_cfg = {"method": "eagle", "model": str(head), "num_speculative_tokens": 4}
     configs = {"ngram": NGRAM, "eagle-rand": eagle_cfg}
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens)

@@ -90,7 +90,8 @@ def omni_section() -> None:
     from omnistage.models.qwen2_5_omni import load_qwen2_5_omni
     from omnistage.testing.tiny_omni_checkpoint import write_tiny_qwen2_5_omni
 
-    folder = write_tiny_qwen2_5_omni(Path(tempfile.mkdtemp()) / "omni")
+    scratch = tempfile.TemporaryDirectory(prefix="gpu_check_")  # removed when this returns
+    folder = write_tiny_qwen2_5_omni(Path(scratch.name) / "omni")
     small = {"block_size": 4, "max_model_len": 256, "num_kv_blocks": 256, "talker_max_model_len": 320}
     talker = {"temperature": 0.0, "max_tokens": 8}
     sp = SamplingParams(temperature=0.0, max_tokens=6)

@@ -243,8 +243,7 @@ class StageEngine:
                 "beyond token ids; speculation runs on text, vision-language and omni thinker stages"
             )
         placeholders = getattr(mm_processor, "placeholder_ids", None) or {}
-        pieces = word_piece_ids(loaded_model.tokenizer) if not config.uses_drafter else ()
-        return config.for_model(placeholders.values(), pieces)
+        return config.for_model(placeholders.values(), word_piece_ids(loaded_model.tokenizer))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> StageEngine:
