@@ -29,6 +29,7 @@ class SchedulerStats:
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions: int
+    num_output_tokens: int = 0  # tokens appended to requests' outputs (none past a stop)
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
     num_accepted_tokens: int = 0  # of which accepted
     num_drafts: int = 0  # verify runs (a request's drafts in one step)
@@ -121,6 +122,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # left since the last schedule(), the worker held them
         self._aborted_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_output_tokens = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_drafts = 0
@@ -569,10 +571,10 @@ class Scheduler:
                 self._count_drafts(request, len(drafts), len(tokens) - 1)
                 if self.config.speculative_config.uses_drafter:  # no shadow: the verified run is the evidence
                     self.draft_policy.observe(request.draft_state, len(drafts), len(tokens) - 1)
-            kv.cache_blocks(request, request.num_computed_tokens)  # their KV exists now
             if self.encoder is not None:
                 self.encoder.free_computed(request)
             if request.num_computed_tokens < request.num_tokens:
+                kv.cache_blocks(request, request.num_computed_tokens)  # the chunk's KV exists now
                 continue  # partial prefill chunk: a token sampled for it would be discarded
             if tokens is None:
                 token = sampled.get(rid)
@@ -587,6 +589,7 @@ class Scheduler:
             status = None
             for token in tokens:
                 request.append_output_token(int(token))
+                self.num_output_tokens += 1
                 status = request.check_stop(self.max_len(request))
                 if status is not None:
                     break
@@ -594,6 +597,9 @@ class Scheduler:
                 self.draft_policy.observe_tokens(request.draft_state, tokens)
             if self.config.enable_prefix_caching:
                 update_block_hashes(request, self.block_size)
+            # The step's KV exists now, the accepted drafts' too: their blocks, hashed just above, are
+            # cached before a finish frees them (cached before hashing, the last would never be).
+            kv.cache_blocks(request, request.num_computed_tokens)
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
@@ -627,6 +633,7 @@ class Scheduler:
             prefix_cache_query_tokens=kv.stats.query_tokens,
             prefix_cache_hit_tokens=kv.stats.hit_tokens,
             num_preemptions=self.num_preemptions,
+            num_output_tokens=self.num_output_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
             num_drafts=self.num_drafts,

@@ -114,7 +114,6 @@ class StageEngine:
             self.tokenizer = args.customize_tokenizer(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0
-        self.num_generated_tokens = 0
         self.eos_token_ids = list(getattr(loaded_model, "eos_token_ids", None) or [])
         self.remote_encoder: RemoteEncoderPool | None = None  # encoder workers (EPD), multimodal stages only
         self.scheduler: Scheduler | ChunkedScheduler
@@ -390,8 +389,6 @@ class StageEngine:
         if remote is not None:
             remote.release_ended(self.scheduler.requests)  # what ended releases its published outputs now
         self.num_steps += 1
-        self.num_generated_tokens += len(runner_out.sampled_token_ids)
-        self.num_generated_tokens += sum(len(t) - 1 for t in runner_out.spec_sampled_token_ids.values())
         return failed + outputs
 
     def _sync_remote_encoder(self, remote: RemoteEncoderPool) -> None:
@@ -459,7 +456,7 @@ class StageEngine:
             kv_blocks_total=s.kv_blocks_total,
             prefix_cache_query_tokens=s.prefix_cache_query_tokens,
             prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
-            num_generated_tokens=self.num_generated_tokens,
+            num_generated_tokens=s.num_output_tokens,
             num_preemptions=s.num_preemptions,
             num_steps=self.num_steps,
             num_draft_tokens=s.num_draft_tokens,

@@ -299,9 +299,14 @@ class ModelRunner:
             # From here on only verified tokens count: rejected drafts' rows never
             # reach the tensor prefix cache, a later stage or the drafter. (The rows'
             # copy cannot overlap sampling here: which rows are valid is known after.)
+            keep = None
             if out.spec_sampled_token_ids:
-                step, hidden = self._verified(step, hidden, out.spec_sampled_token_ids)
-            pending_rows = self._start_per_token_rows(step, hidden)
+                verified, kept_hidden, keep = self._verified(step, hidden, out.spec_sampled_token_ids)
+            # The model makes the per-token rows of the step it ran (it may read tensors it
+            # captured during that forward), and they are cut like the step.
+            pending_rows = self._start_per_token_rows(step, hidden, keep)
+            if keep is not None:
+                step, hidden = verified, kept_hidden
         else:
             pending_rows = self._start_per_token_rows(step, hidden)  # copied to the host under sampling
             out = self.sample(step, hidden)
@@ -324,10 +329,11 @@ class ModelRunner:
 
     def _verified(
         self, step: BatchStep, hidden: torch.Tensor, emitted: dict[str, list[int]]
-    ) -> tuple[BatchStep, torch.Tensor]:
+    ) -> tuple[BatchStep, torch.Tensor, torch.Tensor]:
         """The step cut to its verified tokens: a speculating request keeps its
         last known token and its accepted drafts (as many as it emitted
-        tokens), the others all their tokens; with the hidden rows to match."""
+        tokens), the others all their tokens; with the hidden rows to match,
+        and the index of the kept rows in the step."""
         n = step.num_scheduled_tokens.copy()
         for i, req_id in enumerate(step.req_ids):
             tokens = emitted.get(req_id)
@@ -352,7 +358,7 @@ class ModelRunner:
             slot_mapping=step.slot_mapping.index_select(0, index),
             logits_indices=torch.from_numpy(new_qsl[1:][samples] - 1).to(self.device),
         )
-        return verified, hidden.index_select(0, index)
+        return verified, hidden.index_select(0, index), index
 
     def _prepare_step(self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]) -> BatchStep:
         """The packed batch; draft tokens are written after their requests'
@@ -458,10 +464,13 @@ class ModelRunner:
                 positions[:, qsl[i] : qsl[i] + stop - start] = table[:, start:stop]
         return torch.from_numpy(positions).to(self.device)
 
-    def _start_per_token_rows(self, step: BatchStep, hidden: torch.Tensor) -> tuple | None:
+    def _start_per_token_rows(
+        self, step: BatchStep, hidden: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> tuple | None:
         """Begin this step's per-token outputs: None when no request reads rows and
         none are cached; else what ``_per_token_rows`` needs, with the rows' copy to
-        the host started (on a device, a side-stream copy that sampling overlaps)."""
+        the host started (on a device, a side-stream copy that sampling overlaps).
+        ``keep``: only these rows of the step (its verified tokens)."""
         wanted = [i for i, r in enumerate(step.req_ids) if r in self._returns_rows] if self._returns_rows else []
         cache = self.tensor_cache
         if cache is not None and not cache.policy.full_prefix_hidden:
@@ -470,6 +479,8 @@ class ModelRunner:
             return None  # no extra work
         n = step.num_tokens
         states = self.stage_model.per_token_outputs(hidden[:n], step.input_ids[:n])
+        if keep is not None:
+            states = states.index_select(0, keep)
         if self.host_copier is not None:
             return wanted, cache, self.host_copier.start(states)
         return wanted, cache, states

@@ -6,16 +6,21 @@ A speculating request has ``k`` drafts and ``k + 1`` rows of target logits
 - Greedy rows keep drafts while each equals the target's argmax at its
   position, then emit the argmax at the first mismatch, or the argmax after
   the last draft (the bonus token) when all were kept.
-- Random rows: an n-gram draft is deterministic (its distribution is one-hot
-  at the draft ``d``), so draft ``d`` is kept with probability ``p(d)``, the
-  target's sampling distribution at that position (temperature, top-k/p,
-  min-p applied, as the plain sampler draws). On rejection the token is drawn
-  from ``p`` with ``d`` removed and renormalized, which makes the emitted
-  token's distribution exactly ``p``; after ``k`` kept drafts the bonus token
-  is drawn from the last row's ``p``.
-- Draws come from the request's own generator when it is seeded (in a fixed
-  order: one uniform per verified draft, one exponential race per emitted
-  non-draft token), else from the engine's, so seeded runs repeat themselves.
+- Random rows: a draft is deterministic (prompt lookup's, and an EAGLE
+  head's argmax), so its distribution is one-hot at the draft ``d``, and
+  the rejection rule keeps ``d`` with probability ``p(d)`` (``p`` the
+  target's sampling distribution at that position: temperature, top-k/p,
+  min-p applied, as the plain sampler draws) and otherwise draws from ``p``
+  with ``d`` removed. That is exactly drawing a token from ``p`` and keeping
+  the draft if the two are equal, which is how it is done here: each
+  position's token is drawn as the plain sampler draws it (an exponential
+  race over ``p``), up to the first that differs from its draft or the one
+  after the last draft (the bonus token).
+- So a request draws once per emitted token, as without speculation, from
+  its own generator when it is seeded (else the engine's): a seeded request
+  emits the tokens it emits with speculation off, whatever its drafts, the
+  draft policy's allocation or the rest of the batch (up to the fp32
+  rounding of the multi-row forward).
 """
 
 from __future__ import annotations
@@ -36,22 +41,10 @@ def accept_random(probs: torch.Tensor, drafts: list[int], generator: torch.Gener
     """Tokens one random request emits: ``probs`` is ``[k + 1, V]`` (unnormalized
     sampling weights at each position), ``drafts`` its ``k`` drafts."""
     out: list[int] = []
-    for j, d in enumerate(drafts):
-        row = probs[j]
-        total = float(row.sum())
-        p_d = float(row[d])
-        u = float(torch.rand((), generator=generator, device=row.device))
-        if u * total < p_d:
-            out.append(d)
-            continue
-        residual = row.clone()
-        residual[d] = 0.0
-        if float(residual.sum()) <= 0.0:  # p(d) == 1 up to rounding: nothing else can be drawn
-            out.append(d)
-            continue
-        out.append(draw(residual, generator))
-        return out
-    out.append(draw(probs[len(drafts)], generator))
+    for j, row in enumerate(probs):
+        out.append(draw(row, generator))
+        if j == len(drafts) or out[-1] != drafts[j]:
+            break
     return out
 
 

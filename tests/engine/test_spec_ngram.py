@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from utils_engine import PROMPTS, assert_pool_clean, hf_greedy, make_engine, run_all
 
 from omnistage.core.spec_decode import SpeculativeConfig, propose_ngram
+from omnistage.core.spec_policy import StepCost
 from omnistage.engine.arg_utils import EngineArgs
 from omnistage.models.loader import load_model
 from omnistage.sampling_params import SamplingParams
@@ -227,6 +228,8 @@ def test_max_tokens_and_stop_ids_inside_an_accepted_run(max_tokens, copying):
     stopped = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
     out = run_all(on_engine, [prompt], stopped, prefix="stop-")[0].outputs[0]
     assert out.token_ids == long[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    # Generated tokens count what requests output, not what verified runs emitted past a stop or a limit.
+    assert on_engine.get_stats().num_generated_tokens == max_tokens + len(out.token_ids)
     _assert_held_nothing(on_engine)
 
 
@@ -251,14 +254,16 @@ def test_stop_string_inside_an_accepted_run(copying):
     _assert_held_nothing(engine)
 
 
-@pytest.mark.parametrize("factor", [0.0, 1.0])
-def test_prefix_cache_second_turn_hits_the_same(factor, copying):
+@pytest.mark.parametrize("factor, max_tokens", [(0.0, 20), (1.0, 20), (0.0, 9), (0.0, 14)])
+def test_prefix_cache_second_turn_hits_the_same(factor, max_tokens, copying, always_draft):
     """Only verified tokens' blocks are cached: a second turn that extends the
     first hits as much with speculation as without, and outputs agree (with
-    the full model, rejected drafts' KV would show in the hit's outputs)."""
+    the full model, rejected drafts' KV would show in the hit's outputs). The
+    block a request's last verified run completes is cached before it ends
+    (at 9 and 14 tokens, such a block)."""
     loaded, hf = copying("llama", factor)
     prompt = _in_cycle(loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     results = []
     for spec in (None, NGRAM):
         engine = make_engine(loaded, block_size=4, speculative_config=spec)
@@ -274,7 +279,7 @@ def test_prefix_cache_second_turn_hits_the_same(factor, copying):
     assert results[0] == results[1]
     assert results[1][1] > 0
     ids = turn2["prompt_token_ids"]
-    assert results[1][0][1] == hf_greedy(hf, ids, 20)
+    assert results[1][0][1] == hf_greedy(hf, ids, max_tokens)
 
 
 @pytest.mark.parametrize("factor", [0.0, 1.0])
@@ -495,6 +500,9 @@ def test_omni_thinker_with_audio_and_a_payload_stage_refused(tmp_path, monkeypat
 
 @pytest.mark.parametrize("factor", [0.0, 1.0])
 def test_seeded_sampling_is_reproducible_with_speculation(factor, copying):
+    """A seeded request draws once per emitted token, as without speculation, so it emits
+    the tokens speculation off emits, whatever its drafts, their allocation (here its
+    step prices) or its neighbours."""
     loaded, _ = copying("llama", factor)
     prompts = [REPEATING, PROMPTS[1], REPEATING]
     params = [
@@ -502,16 +510,17 @@ def test_seeded_sampling_is_reproducible_with_speculation(factor, copying):
         SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
     ]
-    runs = []
-    for _ in range(2):
+    off = _token_ids(run_all(make_engine(loaded), prompts, params))
+    drafted = []
+    for token_cost in (0.05, 0.3):  # cheap drafts, dear drafts: different allocations
         engine = make_engine(loaded, speculative_config=NGRAM)
-        runs.append(_token_ids(run_all(engine, prompts, params)))
-        assert engine.get_stats().num_draft_tokens > 0
+        engine.scheduler.draft_policy.step_cost = StepCost.linear(token_cost)
+        assert _token_ids(run_all(engine, prompts, params)) == off
+        drafted.append(engine.get_stats().num_draft_tokens)
         _assert_held_nothing(engine)
-    assert runs[0] == runs[1]
-    # The greedy row is unaffected by its sampled neighbours.
-    greedy = _token_ids(run_all(make_engine(loaded), [REPEATING], params[2]))[0]
-    assert runs[0][2] == greedy
+    assert drafted[0] > drafted[1] > 0
+    alone = make_engine(loaded, speculative_config=NGRAM)
+    assert _token_ids(run_all(alone, prompts[:1], params[:1])) == off[:1]
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from qwen3_utils import assert_nothing_held, assert_same_answer, chat_ids
+from qwen3_utils import assert_nothing_held, assert_same_answer, chat_ids, run_until_idle
 
+from omnistage.core.spec_policy import StepCost
 from omnistage.sampling_params import SamplingParams
 
 SP = SamplingParams(temperature=0.0, max_tokens=6)
@@ -179,4 +180,43 @@ def test_media_second_turn_hits_and_equals_cache_off(make_q3: Any, modality: str
     for ours, ref in zip(on, off):
         assert list(ours.prompt_token_ids) == list(ref.prompt_token_ids)
         assert_same_answer(ours, ref)
+    assert_nothing_held(llm)
+
+
+def test_speculating_neighbour_leaves_the_talker_rows_exact(make_q3: Any) -> None:
+    """Speculation on the thinker, chunked prefill: an image prefilled in the steps where a
+    neighbour's drafts are rejected hands the talker (and the tensor prefix cache) the rows
+    of its own tokens. The placeholder rows are a layer's output the model captured during
+    the step's forward, cut to the verified tokens like the step: the same answer as alone
+    without speculation, and again on a prefix hit."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    picture = Image.fromarray(rng.integers(0, 255, (224, 280, 3), dtype=np.uint8))
+    prompt = {
+        "prompt": "<|im_start|>user\nlook <|vision_start|><|image_pad|><|vision_end|>what is it?<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "multi_modal_data": {"image": picture},
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = make_q3(enable_prefix_caching=False).generate([prompt], params, use_tqdm=False)[0]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    llm = make_q3(speculative_config=ngram, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    engine.thinker.scheduler.draft_policy.step_cost = StepCost.linear(0.01)  # drafts cheap: k every step
+    repeating = chat_ids(llm.get_tokenizer(), "one two three four one two three four one two three four one two")
+    engine.add_request(
+        "copier", {"prompt_token_ids": repeating}, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        return_audio=False,
+    )  # fmt: skip
+    for _ in range(3):
+        engine.step()  # the copier decodes and drafts
+    engine.add_request("image", prompt, params)  # prefilled in chunks beside the copier's verify steps
+    done = {o.request_id: o for o in run_until_idle(llm)}
+    copier = done["copier"].metrics
+    assert 0 < copier.num_accepted_tokens < copier.num_draft_tokens  # drafts kept and drafts rejected
+    assert_same_answer(done["image"], alone)
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert_same_answer(again, alone)
     assert_nothing_held(llm)
