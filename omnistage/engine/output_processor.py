@@ -46,6 +46,7 @@ class CompletionState:
         params = self.request.sampling_params
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         if params.logprobs is not None:
@@ -67,7 +68,9 @@ class CompletionState:
         if ended:
             num_new += len(self.detok.flush())
         text = self.detok.text
-        if self.stop and num_new:
+        # min_tokens holds back stop strings too, as it holds back stop tokens (vLLM's rule:
+        # text from the min_tokens-th token on is searched).
+        if self.stop and num_new and len(self.detok.token_ids) >= self.min_tokens:
             hit = find_stop_string(text, num_new, self.stop)
             if hit is not None:
                 stop, idx = hit

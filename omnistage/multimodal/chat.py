@@ -76,10 +76,16 @@ def split_chat_media(
     out: list[dict[str, Any]] = []
     data: dict[str, list[Any]] = {}
     for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}]: expected a message dict, got {type(message).__name__}")
         content = message.get("content")
         if isinstance(content, str) or content is None:
             out.append(dict(message))
             continue
+        if not isinstance(content, (list, tuple)):
+            raise ValueError(
+                f"messages[{i}].content: expected a string or a list of content parts, got {type(content).__name__}"
+            )
         parts: list[Any] = []
         for j, part in enumerate(content):
             where = f"messages[{i}].content[{j}]"

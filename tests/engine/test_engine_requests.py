@@ -150,6 +150,27 @@ def test_stop_strings_truncate_text(engine, loaded, hf_reference):
     assert_pool_clean(engine)
 
 
+def test_min_tokens_holds_back_stop_strings(engine):
+    """``min_tokens`` holds back stop strings as it holds back stop ids (vLLM's rule): a stop
+    string in the first tokens' text ends the completion only without it."""
+    full = run_all(engine, [PROMPTS[3]], GREEDY, prefix="full")[0].outputs[0]
+    for n in range(1, 8):  # the first token whose text holds a printable character
+        (out,) = run_all(engine, [PROMPTS[3]], dataclasses.replace(GREEDY, max_tokens=n), prefix=f"n{n}")
+        text = out.outputs[0].text
+        stop = next((ch for ch in text if ch.isprintable() and not ch.isspace() and ch != "\ufffd"), None)
+        if stop is not None:
+            break
+    assert stop is not None and n + 2 <= GREEDY.max_tokens
+    unheld, held = run_all(
+        engine, [PROMPTS[3]] * 2,
+        [dataclasses.replace(GREEDY, stop=[stop]), dataclasses.replace(GREEDY, stop=[stop], min_tokens=n + 2)],
+    )  # fmt: skip
+    assert len(unheld.outputs[0].token_ids) == n and unheld.outputs[0].finish_reason == "stop"
+    got = held.outputs[0].token_ids
+    assert len(got) >= n + 2 and got == full.token_ids[: len(got)]
+    assert_pool_clean(engine)
+
+
 def test_streamed_text_only_grows_and_matches_decode(engine, loaded):
     params = dataclasses.replace(GREEDY, stop=["zzz-not-there"], max_tokens=20)
     engine.add_request("s", PROMPTS[2], params)

@@ -50,6 +50,11 @@ def test_generate_reports_a_bad_prompt_and_runs_the_rest(model_path, tmp_path, c
     assert cli.main(["generate", "--model", model_path, "--max-tokens", "3", "--file", str(f)]) == 0
     bad, good = _rows(capsys.readouterr().out)
     assert "empty" in bad["error"] and good["text"] is not None
+    # With --chat the prompt becomes a message's content: one that is neither text nor parts is named too.
+    f.write_text(json.dumps({"prompt": 5}) + "\n" + json.dumps({"prompt": "hi"}) + "\n", encoding="utf-8")
+    assert cli.main(["generate", "--model", model_path, "--max-tokens", "3", "--chat", "--file", str(f)]) == 0
+    bad, good = _rows(capsys.readouterr().out)
+    assert "messages[0].content" in bad["error"] and "got int" in bad["error"] and good["text"] is not None
 
 
 def test_chat_reads_stdin_turns(model_path, monkeypatch, capsys):

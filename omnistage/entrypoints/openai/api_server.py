@@ -73,6 +73,8 @@ class ServerOptions:
     stats_log_interval_s: float | None = DEFAULT_INTERVAL_S
     # Omni checkpoints: overrides of the talker's sampling (``TalkerParams`` fields), for every request.
     talker_params: dict[str, Any] | None = None
+    # Requests may bring their own chat template (a template is code the server runs; off as in vLLM).
+    trust_request_chat_template: bool = False
 
 
 async def read_json_body(request: Request, limit: int) -> Any:
@@ -145,6 +147,7 @@ def build_app(
             input_modalities=frozenset(getattr(engine, "input_modalities", None) or {"text"}),
             output_modalities=frozenset(getattr(engine, "output_modalities", None) or {"text"}),
             voices=tuple(getattr(engine, "voices", None) or ()),
+            trust_request_chat_template=options.trust_request_chat_template,
         )
         app.state.ctx = ctx
         app.state.chat = ChatServing(ctx)

@@ -37,6 +37,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--allowed-local-media-path", default=None, metavar="DIR",
         help="allow file:// image URLs that resolve inside DIR (off by default)",
     )
+    server.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let a request bring its own chat template (chat_template_kwargs.chat_template); off by default",
+    )
     server.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024, help="(default: 16 MiB)")
     server.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="(default: 4096x4096)")
     server.add_argument("--max-audio-seconds", type=float, default=600.0, help="(default: 600)")
@@ -66,6 +70,7 @@ def server_options_from(args: argparse.Namespace) -> Any:
         max_audio_seconds=args.max_audio_seconds,
         talker_params={"max_tokens": args.talker_max_tokens} if getattr(args, "talker_max_tokens", None) else None,
         stats_log_interval_s=getattr(args, "stats_log_interval", 10.0),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
     )
 
 

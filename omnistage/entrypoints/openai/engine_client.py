@@ -15,6 +15,14 @@ always jumps to the newest output available.
 Commands carry ``concurrent.futures.Future`` results, so the same calls serve
 coroutines (``await``) and plain threads (tests, benchmarks) alike.
 
+Prompts are prepared beside it: chat templates and tokenizing run on one
+front thread (``prepare``), which reads only the engine's tokenizer and fixed
+attributes, so rendering or counting a long prompt (megabytes that will be
+refused) never holds up the steps that stream everyone else's tokens. The
+tokenizer is shared with the engine thread's detokenizer: encoding and
+decoding never change its state (no truncation or padding is ever set), so
+they may run at once, as vLLM's front end and engine core do.
+
 Failures: a ``step()`` that raises costs the requests in flight, not the
 server. They end with ``EngineStepError`` and are aborted in the engine, which
 frees their KV blocks and encoder entries, and the loop serves new requests.
@@ -124,6 +132,7 @@ class EngineClient:
         self._startup_error: BaseException | None = None
         self._dead: BaseException | None = None
         self.engine: Any = None  # read-only from other threads (attributes fixed after construction)
+        self._front = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omnistage-front")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,6 +152,7 @@ class EngineClient:
         self._commands.put(_Stop())
         self._thread.join(timeout)
         self._thread = None
+        self._front.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:
@@ -191,6 +201,13 @@ class EngineClient:
         cmd = _Call(fn)
         self._submit(cmd)
         return await asyncio.wrap_future(cmd.done)
+
+    async def prepare(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the front thread (see the module docstring): for work that
+        reads only the tokenizer and the engine's fixed attributes (templates, tokenizing)."""
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not running ({self._dead!r})")
+        return await asyncio.get_running_loop().run_in_executor(self._front, fn, self.engine)
 
     async def get_stats(self) -> Any:
         return await self.call(lambda engine: engine.get_stats())

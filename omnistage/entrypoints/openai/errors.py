@@ -70,9 +70,14 @@ def format_loc(loc: tuple[int | str, ...], prefix: str = "") -> str:
 
 
 def from_validation_error(exc: ValidationError, prefix: str = "") -> APIError:
-    """Turn the first pydantic error into a 400 naming the field and the problem."""
+    """Turn the first pydantic error into a 400 naming the field and the problem.
+
+    A value that fits no member of a union (``stop``: a string or a list of
+    strings) gets one error per member; of the first field's, the deepest is
+    the one that names the culprit (``stop[1]``, not ``stop``)."""
     errors = exc.errors(include_url=False)
-    err = errors[0]
+    field_errors = [e for e in errors if tuple(e.get("loc", ()))[:1] == tuple(errors[0].get("loc", ()))[:1]]
+    err = max(field_errors, key=lambda e: len(format_loc(tuple(e.get("loc", ())))))  # the first of the deepest
     param = format_loc(tuple(err.get("loc", ())), prefix) or None
     kind = err.get("type", "")
     if kind == "extra_forbidden":

@@ -70,6 +70,7 @@ from omnistage.entrypoints.openai.serving_common import (
     new_id,
     record_finished,
     sse,
+    template_kwargs,
     top_entries,
     until_disconnect,
     usage_of,
@@ -231,14 +232,13 @@ class ChatServing:
         return texts
 
     async def _render(self, messages: list[dict[str, Any]], req: ChatCompletionRequest) -> dict[str, Any]:
-        kwargs = dict(req.chat_template_kwargs or {})
-        add_gen = req.add_generation_prompt
+        kwargs = template_kwargs(self.ctx, req.chat_template_kwargs, req.add_generation_prompt)
 
         def render(engine: Any) -> dict[str, Any]:
-            return engine.encode_chat(messages, add_generation_prompt=add_gen, **kwargs)
+            return engine.encode_chat(messages, **kwargs)
 
         try:
-            return await self.ctx.client.call(render)
+            return await self.ctx.client.prepare(render)
         except EngineDeadError as exc:
             raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
         except Exception as exc:  # noqa: BLE001 - template errors (role order, bad kwargs) are the client's

@@ -44,6 +44,9 @@ class ServingContext:
     input_modalities: frozenset[str] = frozenset({"text"})
     output_modalities: frozenset[str] = frozenset({"text"})
     voices: tuple[str, ...] = ()  # speaker names for audio output (omni checkpoints)
+    # A request may bring its own chat template (chat_template_kwargs["chat_template"]); off by default:
+    # the template is code the server runs, at whatever cost it sets.
+    trust_request_chat_template: bool = False
     _token_strs: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -151,11 +154,18 @@ def check_context(
     ``max_tokens`` (or ``min_tokens``) more than the context holds after the
     prompt is refused naming that field; an unset ``max_tokens`` means "up to
     the context" and needs no check. A prompt that fills the context alone is
-    left to the engine, which names the prompt.
+    refused naming the prompt, as the engine would refuse it.
     """
     limit = ctx.max_model_len
-    if limit is None or num_prompt_tokens >= limit:
+    if limit is None:
         return
+    if num_prompt_tokens >= limit:
+        raise bad_request(
+            f"The prompt ('{prompt_param}') has {num_prompt_tokens} tokens; this model's context holds {limit} "
+            "tokens (max_model_len), which leaves no room to generate; shorten the prompt",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     room = limit - num_prompt_tokens
     for param, asked in ((max_tokens_param, max_tokens), ("min_tokens", min_tokens)):
         if asked is not None and asked > room:
@@ -166,6 +176,32 @@ def check_context(
                 param=param,
                 code="context_length_exceeded",
             )
+
+
+# chat_template_kwargs keys the server sets itself, which a request cannot.
+_SERVER_TEMPLATE_KWARGS = ("tokenize", "conversation", "messages", "mm_processor_kwargs")
+
+
+def template_kwargs(ctx: ServingContext, kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` as the template gets them, with its
+    ``add_generation_prompt`` (which the kwargs may override, as in vLLM); a 400 naming
+    a key the server sets itself, or a template of the request's own unless the server
+    trusts them (``--trust-request-chat-template``)."""
+    kwargs = dict(kwargs or {})
+    for key in _SERVER_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise bad_request(
+                f"'chat_template_kwargs.{key}' cannot be set: the server renders the conversation itself",
+                param=f"chat_template_kwargs.{key}",
+            )
+    if "chat_template" in kwargs and not ctx.trust_request_chat_template:
+        raise bad_request(
+            "'chat_template_kwargs.chat_template': this server does not take a chat template from a request "
+            "(start it with --trust-request-chat-template to allow that); the model's own template applies",
+            param="chat_template_kwargs.chat_template",
+        )
+    kwargs.setdefault("add_generation_prompt", add_generation_prompt)
+    return kwargs
 
 
 def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:

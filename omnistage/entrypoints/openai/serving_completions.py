@@ -134,14 +134,16 @@ class CompletionServing:
     async def _check_context(
         self, prompts: list[str | list[int]], max_tokens: int | None, min_tokens: int | None, params_of: list[str]
     ) -> None:
-        """Refuse ``max_tokens`` / ``min_tokens`` that the context cannot hold after a prompt.
+        """Refuse a prompt the context cannot hold, or ``max_tokens`` / ``min_tokens`` it
+        cannot hold after the prompt.
 
-        A text prompt is tokenized for this (in the engine thread, which owns the
-        tokenizer) only when its UTF-8 length says it might not fit: no
-        tokenizer makes more tokens than bytes, plus a few special ones."""
+        A text prompt is tokenized for this (on the front thread: a prompt of
+        megabytes is refused without the engine thread ever reading it) only when
+        its UTF-8 length says it might not fit: no tokenizer makes more tokens than
+        bytes, plus a few special ones."""
         ctx = self.ctx
-        asked = max(max_tokens or 0, min_tokens or 0)
-        if ctx.max_model_len is None or asked == 0:
+        asked = max(max_tokens or 0, min_tokens or 0, 1)  # a prompt leaves room for at least one token
+        if ctx.max_model_len is None:
             return
         counts: list[int | None] = [len(p) if isinstance(p, list) else None for p in prompts]
         unsure = [
@@ -151,7 +153,7 @@ class CompletionServing:
         if unsure:
             texts = [prompts[i] for i in unsure]
             try:
-                lengths = await ctx.client.call(lambda engine: [len(engine.tokenizer.encode(t)) for t in texts])
+                lengths = await ctx.client.prepare(lambda engine: [len(engine.tokenizer.encode(t)) for t in texts])
             except EngineDeadError as exc:
                 raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
             for i, n in zip(unsure, lengths):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from omnistage.entrypoints.openai.engine_client import EngineDeadError
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.protocol import ChatMessage, parse_request
-from omnistage.entrypoints.openai.serving_common import ServingContext
+from omnistage.entrypoints.openai.serving_common import ServingContext, template_kwargs
 
 
 class _Strict(BaseModel):
@@ -92,9 +92,9 @@ class TokenizeServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def _call(self, fn: Any) -> Any:
+    async def _prepare(self, fn: Any) -> Any:
         try:
-            return await self.ctx.client.call(fn)
+            return await self.ctx.client.prepare(fn)
         except EngineDeadError as exc:
             raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
 
@@ -102,14 +102,14 @@ class TokenizeServing:
         self.ctx.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             messages = _text_messages(req.messages)
-            kwargs = dict(req.chat_template_kwargs or {})
+            kwargs = template_kwargs(self.ctx, req.chat_template_kwargs, req.add_generation_prompt)
 
             def render(engine: Any) -> str:
                 # The same rendering as a chat completion's (encode_chat), so the counts agree.
-                return engine.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)["prompt"]
+                return engine.encode_chat(messages, **kwargs)["prompt"]
 
             try:
-                text = await self._call(render)
+                text = await self._prepare(render)
             except APIError:
                 raise
             except Exception as exc:  # noqa: BLE001 - template errors (role order, bad kwargs) are the client's
@@ -122,7 +122,7 @@ class TokenizeServing:
             strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return list(ids), strs
 
-        tokens, token_strs = await self._call(encode)
+        tokens, token_strs = await self._prepare(encode)
         return TokenizeResponse(count=len(tokens), max_model_len=self.ctx.max_model_len, tokens=tokens, token_strs=token_strs)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -137,5 +137,5 @@ class TokenizeServing:
                     code="invalid_token_id",
                 )
         tokens = list(req.tokens)
-        text = await self._call(lambda engine: engine.tokenizer.decode(tokens))
+        text = await self._prepare(lambda engine: engine.tokenizer.decode(tokens))
         return DetokenizeResponse(prompt=text)

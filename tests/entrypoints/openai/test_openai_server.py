@@ -281,3 +281,63 @@ def test_module_entry_point_serves(tiny_checkpoints) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_chat_template_kwargs_reach_the_template_but_bring_no_template(server: Server, http: httpx.Client,
+                                                                       tiny_checkpoints) -> None:
+    """A request's chat_template_kwargs reach the model's template (``add_generation_prompt``
+    among them, as in vLLM); keys the server sets itself are refused naming the key, and so
+    is a template of the request's own unless the server trusts them."""
+
+    def tokenize(base_url: str, model: str, **extra) -> httpx.Response:
+        return httpx.post(base_url + "/tokenize", json={"model": model, "messages": MSG, **extra}, timeout=60)
+
+    with_prompt = tokenize(server.base_url, server.model).json()["count"]
+    without = tokenize(server.base_url, server.model, chat_template_kwargs={"add_generation_prompt": False})
+    assert without.status_code == 200 and without.json()["count"] < with_prompt
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for kwargs, param in (({"chat_template": template}, "chat_template_kwargs.chat_template"),
+                          ({"tokenize": True}, "chat_template_kwargs.tokenize")):  # fmt: skip
+        for response in (
+            tokenize(server.base_url, server.model, chat_template_kwargs=kwargs),
+            http.post("/v1/chat/completions", json={"model": server.model, "messages": MSG,
+                                                     "chat_template_kwargs": kwargs}),  # fmt: skip
+        ):
+            assert response.status_code == 400 and response.json()["error"]["param"] == param
+    thread, _ = start_server(tiny_checkpoints["llama"], "trusting", trust_request_chat_template=True)
+    try:
+        own = tokenize(thread.base_url, "trusting", chat_template_kwargs={"chat_template": template},
+                       add_special_tokens=False)  # fmt: skip
+        assert own.status_code == 200 and own.json()["count"] < without.json()["count"]
+    finally:
+        thread.stop()
+
+
+def test_preparing_a_prompt_never_holds_up_the_engine(server: Server, http: httpx.Client, monkeypatch) -> None:
+    """Chat templates and tokenizing run on the front thread, beside the engine thread: while
+    one request's rendering is stuck, another request is served."""
+    import threading
+
+    engine = server.app.state.engine_client.engine
+    release, rendering = threading.Event(), threading.Event()
+    encode_chat = engine.encode_chat
+
+    def stuck(*args, **kwargs):
+        rendering.set()
+        release.wait(60)
+        return encode_chat(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "encode_chat", stuck)
+    result = {}
+    chat = threading.Thread(target=lambda: result.update(chat=http.post(
+        "/v1/chat/completions", json={"model": server.model, "messages": MSG, **GREEDY})))  # fmt: skip
+    chat.start()
+    try:
+        assert rendering.wait(30)
+        served = httpx.post(server.v1 + "/completions", json={"model": server.model, "prompt": [1, 2, 3], **GREEDY},
+                            timeout=30)  # fmt: skip
+        assert served.status_code == 200 and not release.is_set() and "chat" not in result
+    finally:
+        release.set()
+        chat.join(60)
+    assert result["chat"].status_code == 200
