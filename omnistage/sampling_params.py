@@ -177,6 +177,10 @@ class SamplingParams:
                     f"SamplingParams.allowed_token_ids must be ids below the vocabulary size {vocab_size}, "
                     f"got {bad[:8]}"
                 )
+            if not set(self.allowed_token_ids) - set(self.suppress_token_ids):
+                raise ValueError(
+                    "SamplingParams.allowed_token_ids are all in suppress_token_ids: no token could be sampled"
+                )
 
     @property
     def greedy(self) -> bool:

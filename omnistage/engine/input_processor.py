@@ -8,6 +8,7 @@ before any engine state changes.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -103,11 +104,10 @@ class InputProcessor:
     def _check_ids(self, where: str, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"{where}: prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-        token_ids = list(ids)
-        bad = [t for t in token_ids if not _is_token_id(t, self.vocab_size)]
+        bad = [t for t in ids if not _is_token_id(t, self.vocab_size)]
         if bad:
-            raise ValueError(f"{where}: prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        return token_ids
+            raise ValueError(f"{where}: prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        return [int(t) for t in ids]
 
     def _process_mm(
         self, where: str, text: str | None, token_ids: list[int] | None, mm_data: Any, mm_kwargs: Any
@@ -157,4 +157,5 @@ class InputProcessor:
 
 
 def _is_token_id(t: object, vocab_size: int) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+    # Any integer type (NumPy's too, as a tokenizer's arrays hold them), never a bool.
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnistage.attention.kv_cache import invalidate_dense_view
 from omnistage.attention.paged_attention import (
     allocate_kv_caches,
     build_attention_metadata,
@@ -206,6 +207,12 @@ class ModelRunner:
             batch.update_request(cached.req_id, cached.new_block_ids, cached.num_computed_tokens)
         if self.tensor_cache is not None:
             self.tensor_cache.rows_added(so)
+        if so.scheduled_new_reqs:
+            # The dense decode views know requests by id, and an id may come back once its request
+            # ended: the new request must not continue the old one's keys. This costs nothing: a
+            # step a request joins never continues a view (it was not in the step before).
+            for cache in self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else []):
+                invalidate_dense_view(cache)
 
     def _add_new_request(self, new: NewRequestData) -> None:
         batch = self.input_batch

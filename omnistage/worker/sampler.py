@@ -235,11 +235,7 @@ class SamplingState:
         v = self.vocab_size
         if params.allowed_token_ids is not None:
             allowed = [t for t in set(params.allowed_token_ids) - set(params.suppress_token_ids) if t < v]
-            if not allowed:
-                raise ValueError(
-                    f"SamplingParams.allowed_token_ids leaves no token below the vocabulary size {v} "
-                    "that is not also suppressed"
-                )
+            assert allowed, "SamplingParams.check_vocab refuses an allowed set that suppress_token_ids empties"
             mask = torch.ones(v, dtype=torch.bool)
             mask[allowed] = False
             return mask

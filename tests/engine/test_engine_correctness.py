@@ -3,6 +3,8 @@ prefix caching or preemption; the KV pool is clean afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from utils_engine import GREEDY, PROMPTS, assert_pool_clean, make_engine, run_all
 
@@ -107,4 +109,35 @@ def test_abort_frees_blocks_and_others_finish(tiny_loaded, hf_reference):
     # An id may be reused once its request is gone.
     engine.add_request("r1", PROMPTS[1], params)
     engine.abort_request("r1")
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("ends", ["finished", "aborted"])
+def test_a_reused_request_id_reads_its_own_context(ends, tiny_loaded, hf_reference):
+    """An id may come back once its request ended: the new request's first small step must not
+    continue the old one's dense decode view, even where its prefix hit ends just where the old
+    request's context did (12 tokens here: three blocks of 4)."""
+    loaded = tiny_loaded("llama")
+    engine = make_engine(loaded, max_model_len=64, block_size=4)
+    cached = list(range(10, 24))  # 14 tokens: its three full blocks stay cached
+    run_all(engine, [cached], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), prefix="cached-")
+    # "x" leaves having computed 12 tokens of other content: it finishes (5 + 8 - 1), or is
+    # aborted there while a bystander decodes beside it.
+    bystander = list(range(200, 203))
+    longer = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    if ends == "aborted":
+        engine.add_request("bystander", bystander, longer)
+    engine.add_request("x", list(range(100, 105)), dataclasses.replace(longer, max_tokens=8))
+    while "x" in engine.scheduler.requests and engine.scheduler.requests["x"].num_computed_tokens < 12:
+        engine.step()
+    engine.abort_request("x")  # a no-op once it finished
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("x", cached, params)  # a 12-token hit, then two tokens: a small first step
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["x"].num_cached_tokens == 12
+    assert outs["x"].outputs[0].token_ids == hf_reference("llama", cached, 6)
+    if ends == "aborted":
+        assert outs["bystander"].outputs[0].token_ids == hf_reference("llama", bystander, 30)
     assert_pool_clean(engine)

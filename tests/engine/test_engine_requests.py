@@ -332,6 +332,19 @@ def test_a_step_that_raises_fails_only_its_requests(loaded, monkeypatch):
     assert engine.held().is_empty and engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
+def test_numpy_prompt_ids_are_token_ids(engine, loaded, hf_reference):
+    """Prompt ids held in NumPy integers (as a tokenizer's arrays give them) are ids like any
+    other; a bool or a float is not, and the error says what an id must be."""
+    import numpy as np
+
+    ids = loaded.tokenizer.encode(PROMPTS[1])
+    (out,) = run_all(engine, [list(np.asarray(ids, dtype=np.int64))], GREEDY)
+    assert out.outputs[0].token_ids == _ref(hf_reference, loaded, PROMPTS[1], GREEDY.max_tokens)
+    for bad in ([1, True], [1, 2.0]):
+        with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, \d+\)"):
+            engine.add_request("bad", bad, GREEDY)
+
+
 def test_vocabulary_limits_are_checked_at_admission(engine):
     """logprobs and allowed_token_ids past the vocabulary are refused by name before
     anything is queued (they used to fail only when the worker built the row)."""
@@ -340,4 +353,6 @@ def test_vocabulary_limits_are_checked_at_admission(engine):
         engine.add_request("a", PROMPTS[0], SamplingParams(allowed_token_ids=[1, too_big]))
     with pytest.raises(ValueError, match=r"request 'b': SamplingParams\.logprobs .* exceeds the vocabulary size"):
         engine.add_request("b", PROMPTS[0], SamplingParams(logprobs=too_big))
+    with pytest.raises(ValueError, match=r"request 'c': SamplingParams\.allowed_token_ids are all in suppress_token_ids"):
+        engine.add_request("c", PROMPTS[0], SamplingParams(allowed_token_ids=[5, 6], suppress_token_ids=[6, 5, 7]))
     assert not engine.has_unfinished_requests() and not engine.output_processor.states
