@@ -76,6 +76,10 @@ class MultiModalHasher:
         self.add_bytes(f"{tag}.size", json.dumps(list(image.size)).encode())
         if image.mode == "P":  # the palette is part of the pixels' meaning
             self.add_bytes(f"{tag}.palette", bytes(image.getpalette() or []))
+        transparency = image.info.get("transparency")  # so is a transparent colour: converted to RGB, it is white
+        if transparency is not None:
+            value = transparency if isinstance(transparency, bytes) else _canonical_json(transparency).encode()
+            self.add_bytes(f"{tag}.transparency", value)
         self.add_bytes(f"{tag}.data", image.tobytes())
 
     def add_options(self, options: Mapping[str, Any] | None) -> None:

@@ -52,6 +52,20 @@ def test_different_pixels_mode_size_or_options_differ():
     assert hash_image(image, {"a": 1, "b": 2}) == hash_image(image, {"b": 2, "a": 1})
 
 
+def test_a_transparent_colour_is_part_of_the_image():
+    """Converted to RGB (as transformers' processors convert), a colour a PNG declares
+    transparent turns white: the same pixels with and without one hash apart."""
+    image = _image()
+    pngs = [_png_bytes(image, **options) for options in ({}, {"transparency": (0, 0, 0)}, {"transparency": (1, 2, 3)})]
+    assert len({hash_image(load_image(png)) for png in pngs}) == 3
+
+
+def _png_bytes(image: Image.Image, **options) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", **options)
+    return buf.getvalue()
+
+
 def test_video_dtype_shape_and_bytes():
     rng = np.random.default_rng(1)
     frames = rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
