@@ -43,6 +43,9 @@ _OMNI_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 2
 # Qwen3-Omni's processor does the same with its 32-pixel merged patches.
 _QWEN3_OMNI_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
 _MAX_AUDIO_SECONDS = 30  # the feature extractor's window; longer clips are refused, not truncated
+# The most pixels a request may ask an image or frame to be resized to: beyond any encoder cache
+# (83k embeddings at 28-pixel merged patches), and a resize that large would exhaust memory first.
+_MAX_OPTION_PIXELS = 8192 * 8192
 
 
 def audio_output_length(num_frames: int) -> int:
@@ -63,6 +66,27 @@ def qwen3_audio_output_length(num_frames: int, n_window: int = 50) -> int:
 class ProcessedPrompt:
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+
+
+def _check_option(where: str, name: str, value: Any) -> Any:
+    """A request's processor option, checked: pixel counts are integers in
+    [1, _MAX_OPTION_PIXELS], ``size`` holds them as ``shortest_edge`` / ``longest_edge``,
+    ``fps`` is a positive finite number and ``cap_pixels_per_frame`` a bool."""
+    if name == "fps":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{where}: expected a positive number of frames per second, got {value!r}")
+        return value
+    if name == "cap_pixels_per_frame":
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if name == "size":
+        if not isinstance(value, Mapping) or not value or set(value) - {"shortest_edge", "longest_edge"}:
+            raise ValueError(f"{where}: expected {{'shortest_edge': pixels, 'longest_edge': pixels}}, got {value!r}")
+        return {edge: _check_option(f"{where}.{edge}", "pixels", v) for edge, v in value.items()}
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_OPTION_PIXELS:
+        raise ValueError(f"{where}: expected a whole number of pixels in [1, {_MAX_OPTION_PIXELS}], got {value!r}")
+    return value
 
 
 class MultiModalProcessor:
@@ -216,11 +240,13 @@ class MultiModalProcessor:
 
     def _options(self, kwargs: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
         options: dict[str, dict[str, Any]] = {m: {} for m in _MODALITIES}
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ValueError(f"mm_processor_kwargs: expected a dict, got {type(kwargs).__name__}")
         for key, value in (kwargs or {}).items():
             if key == "use_audio_in_video" and not value:
                 continue
             if key == "fps":
-                options["video"]["fps"] = value
+                options["video"]["fps"] = _check_option("mm_processor_kwargs.fps", "fps", value)
                 continue
             modality = _KWARGS_NAMES.get(key)
             if modality is None or not isinstance(value, Mapping):
@@ -234,7 +260,11 @@ class MultiModalProcessor:
                     f"mm_processor_kwargs.{key}: unsupported option(s) {sorted(unknown)}; "
                     f"expected a subset of {sorted(_OPTION_KEYS[modality])}"
                 )
-            options[modality].update(value)
+            for name, v in value.items():
+                options[modality][name] = _check_option(f"mm_processor_kwargs.{key}.{name}", name, v)
+            lowest, highest = options[modality].get("min_pixels"), options[modality].get("max_pixels")
+            if lowest is not None and highest is not None and lowest > highest:
+                raise ValueError(f"mm_processor_kwargs.{key}: min_pixels ({lowest}) exceeds max_pixels ({highest})")
         return options
 
     def process(self, inputs: str | Mapping[str, Any]) -> ProcessedPrompt:

@@ -241,7 +241,13 @@ class ModelRunner:
         features = list(new.mm_features)
         self.encoder_cache.add_request(new.req_id, features)
         if features:
-            mrope = self.mm_adapter.get_mrope_positions(new.token_ids[: new.num_prompt_tokens], features)
+            try:
+                mrope = self.mm_adapter.get_mrope_positions(new.token_ids[: new.num_prompt_tokens], features)
+            except (TypeError, ValueError, IndexError) as exc:  # the model's own reading of the prompt
+                raise ValueError(
+                    f"the prompt's M-RoPE positions could not be computed ({type(exc).__name__}: {exc}); "
+                    "its text may hold a media marker token (e.g. <|audio_bos|>) without its item"
+                ) from exc
             self._mrope_prompt[new.req_id] = mrope.prompt.cpu().numpy()
             self.input_batch.mrope_delta[row] = mrope.delta
 
@@ -402,7 +408,8 @@ class ModelRunner:
         if self.model_state is None:
             return StepModelInputs(step.input_ids, step.positions)
         state = self.model_state
-        scheduled = so.scheduled_encoder_inputs
+        # A request that failed to join the batch this step fails alone: its items are not encoded.
+        scheduled = {r: ids for r, ids in so.scheduled_encoder_inputs.items() if r not in self._failed}
         if so.remote_encoder_inputs:
             scheduled = self._load_remote_outputs(so.remote_encoder_inputs, scheduled)
         if scheduled:

@@ -358,6 +358,25 @@ def test_bad_input_is_refused_naming_request_and_item(models):
     assert_encoder_clean(engine)
 
 
+def test_a_prompt_the_model_cannot_position_fails_alone(models):
+    """An image prompt whose text holds an audio marker token (as a chat client gets by typing
+    it) is admitted, but the model cannot lay out its M-RoPE positions: that request fails,
+    naming why, and the request beside it in the same step answers as alone."""
+    m = models["omni"]
+    engine = make_engine(m.loaded, block_size=4)
+    engine.add_request("good", m.prompt("image and audio"), GREEDY)
+    marker = chat_prompt(m.proc, ["image", "text"], {"image": image(1)}, text="is <|audio_bos|> it?")
+    engine.add_request("marker", marker, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["good"].outputs[0].token_ids == m.case_ref("image and audio")
+    assert done["marker"].outputs[0].finish_reason == "error"
+    assert "M-RoPE positions could not be computed" in done["marker"].error
+    assert_pool_clean(engine)
+    assert_encoder_clean(engine)
+
+
 def test_text_model_refuses_media(tiny_loaded):
     engine = make_engine(tiny_loaded("qwen3"))
     assert engine.input_modalities == {"text"}

@@ -163,6 +163,29 @@ def test_processor_options(vl):
         vl.process({"prompt": "x", "mm_processor_kwargs": {"use_audio_in_video": True}})
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ("big", r"mm_processor_kwargs: expected a dict, got str"),
+        ({"images_kwargs": {"max_pixels": 0}}, r"images_kwargs\.max_pixels: expected a whole number of pixels"),
+        ({"images_kwargs": {"max_pixels": "big"}}, r"images_kwargs\.max_pixels: expected a whole number"),
+        ({"images_kwargs": {"min_pixels": 10**12}}, r"images_kwargs\.min_pixels: expected a whole number"),
+        ({"images_kwargs": {"min_pixels": 2000, "max_pixels": 1000}}, r"min_pixels \(2000\) exceeds max_pixels"),
+        ({"videos_kwargs": {"size": {"longest_edge": -1}}}, r"videos_kwargs\.size\.longest_edge: expected"),
+        ({"videos_kwargs": {"size": {"edge": 10}}}, r"videos_kwargs\.size: expected \{'shortest_edge'"),
+        ({"videos_kwargs": {"cap_pixels_per_frame": 1}}, r"cap_pixels_per_frame: expected true or false"),
+        ({"fps": 0}, r"mm_processor_kwargs\.fps: expected a positive number of frames per second, got 0"),
+        ({"fps": float("nan")}, r"mm_processor_kwargs\.fps: expected a positive number"),
+        ({"fps": "abc"}, r"mm_processor_kwargs\.fps: expected a positive number"),
+    ],
+)
+def test_bad_processor_options_are_named(vl, kwargs, message):
+    """Each option is checked before any media is processed, and the error names it."""
+    with pytest.raises(ValueError, match=message):
+        vl.process({"prompt": chat(vl, "image"), "multi_modal_data": {"image": image(0)},
+                    "mm_processor_kwargs": kwargs})  # fmt: skip
+
+
 def test_prompt_token_ids_input(vl):
     prompt = chat(vl, "image")
     ids = vl.tokenizer(prompt)["input_ids"]
