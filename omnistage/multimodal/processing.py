@@ -35,10 +35,11 @@ _OPTION_KEYS = {
     "audio": set(),
 }
 _KWARGS_NAMES = {"images_kwargs": "image", "videos_kwargs": "video", "audio_kwargs": "audio"}
-# Qwen2.5-Omni's processor passes this video size to the video processor
-# whatever the checkpoint's config says; used when the checkpoint has no video
-# processor settings of its own (the published one has none: its video
-# processor reads the image processor's preprocessor_config.json).
+# Qwen2.5-Omni's processor passes this video size to the video processor on
+# every call, whatever the checkpoint's video settings say (a processor
+# attribute merged into each call's video kwargs), so every Omni checkpoint
+# gets it here too: one re-saved by transformers 5, with a video block of its
+# own, answers as transformers does.
 _OMNI_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
 # Qwen3-Omni's processor does the same with its 32-pixel merged patches.
 _QWEN3_OMNI_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
@@ -118,7 +119,7 @@ class MultiModalProcessor:
         self.video_processor = (
             QwenVideoPreprocessor.from_dict(video_settings.values) if video_settings else QwenVideoPreprocessor()
         )
-        if self.is_omni and (video_settings is None or video_settings.borrowed):
+        if self.is_omni:
             size = _QWEN3_OMNI_VIDEO_SIZE if is_qwen3 else _OMNI_VIDEO_SIZE
             self.video_processor = self.video_processor.with_options({"size": dict(size)})
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(path) if self.is_omni else None

@@ -47,7 +47,6 @@ class ProcessorSettings:
 
     values: dict[str, Any]
     source: str  # e.g. "processor_config.json[video_processor]" or "preprocessor_config.json"
-    borrowed: bool = False  # a video processor reading the image processor's file
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -77,6 +76,5 @@ def processor_settings(model_path: str | os.PathLike, kind: Kind) -> ProcessorSe
     for name in _LEGACY_FILES[kind]:
         file = os.path.join(path, name)
         if os.path.isfile(file):
-            borrowed = kind == "video" and name == "preprocessor_config.json"
-            return ProcessorSettings(_read_json(file), name, borrowed)
+            return ProcessorSettings(_read_json(file), name)
     return None

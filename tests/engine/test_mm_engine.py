@@ -330,23 +330,25 @@ def test_bad_input_is_refused_naming_request_and_item(models):
             chat_prompt(m.proc, ["image", "text"], {"image": [image(0), image(1)]}),
             r"request 'too-many': image item 1: the prompt has 1 <\|IMAGE\|> placeholder\(s\) for 2 image item\(s\)",
         ),
-        "too-big": (  # 841 embeddings; the encoder cache holds the largest default item (audio: 750)
-            {
-                **chat_prompt(m.proc, ["image", "text"], {"image": image(5, 812, 812)}),
-                "mm_processor_kwargs": {"images_kwargs": {"max_pixels": 900 * 900}},
-            },
-            r"request 'too-big': image item 0 \(mm_features\[0\]\) has 841 encoder embeddings, more than the "
-            r"encoder cache",
-        ),
         "text-model-style": (
             {"prompt": "no placeholder here", "multi_modal_data": {"image": image(0)}},
             r"request 'text-model-style': image item 0: the prompt has 0 <\|IMAGE\|> placeholder",
         ),
     }
-    assert engine.scheduler.config.encoder_cache_size == 750
     for rid, (prompt, message) in bad.items():
         with pytest.raises(ValueError, match=message):
             engine.add_request(rid, prompt, GREEDY)
+    # An item larger than the encoder cache: Qwen2.5-VL's holds its largest default item (a 32-frame video).
+    vl = make_engine(models["vl"].loaded, block_size=4, max_num_batched_tokens=64)
+    assert vl.scheduler.config.encoder_cache_size == 256
+    too_big = {
+        **chat_prompt(models["vl"].proc, ["image", "text"], {"image": image(5, 812, 812)}),
+        "mm_processor_kwargs": {"images_kwargs": {"max_pixels": 900 * 900}},
+    }
+    message = r"request 'too-big': image item 0 \(mm_features\[0\]\) has 841 encoder embeddings, more than the encoder"
+    with pytest.raises(ValueError, match=message):
+        vl.add_request("too-big", too_big, GREEDY)
+    assert not vl.has_unfinished_requests()
     engine.add_request("good-2", m.prompt("audio clip"), GREEDY)
     done = {}
     while engine.has_unfinished_requests():

@@ -237,4 +237,5 @@ def test_resampled_audio(omni):
 
 def test_max_tokens_per_item(vl, omni):
     assert vl.max_tokens_per_item(max_video_frames=8) == {"image": 64, "video": 4 * 16}
-    assert omni.max_tokens_per_item(max_video_frames=8) == {"image": 64, "video": 64, "audio": 750}
+    # Qwen2.5-Omni's video size is its processor's, not the checkpoint's: 768 merged tokens per frame pair
+    assert omni.max_tokens_per_item(max_video_frames=8) == {"image": 64, "video": 4 * 768, "audio": 750}

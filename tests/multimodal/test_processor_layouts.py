@@ -87,33 +87,36 @@ def test_vl_processing_equals_transformers_in_each_layout(tmp_path, video_cls, l
 
 @pytest.mark.parametrize("layout", PROCESSOR_LAYOUTS)
 def test_omni_settings_equal_transformers_in_each_layout(tmp_path, video_cls, layout):
-    """Image and audio processing equal transformers' processor; the video
-    settings equal what transformers' video processor loads. (Qwen2.5-Omni's
-    processor then overrides the video size on every call, see
-    ``processing._OMNI_VIDEO_SIZE``; omnistage keeps a checkpoint's own
-    video settings.)"""
+    """Image, audio and video processing equal transformers' processor. Its video
+    processor reads the checkpoint's own (restrictive) bounds back, but Qwen2.5-Omni's
+    processor passes its fixed video size on every call, so that size is the one
+    that applies, in omnistage too."""
     path = write_tiny_qwen2_5_omni_thinker(tmp_path / "omni")
     resave_processor_with_transformers(path, layout, video_cls)
     ours = MultiModalProcessor.from_pretrained(path)
     hf = hf_processor_from_pretrained(path, video_cls)
 
-    assert ours.video_processor.size == {"shortest_edge": 4 * U, "longest_edge": 16 * U}
-    hf_video = hf.video_processor
-    assert dict(hf_video.size)["longest_edge"] == ours.video_processor.size["longest_edge"]
-    assert dict(hf_video.size)["shortest_edge"] == ours.video_processor.size["shortest_edge"]
+    hf_size = dict(hf.video_processor.size)
+    assert (hf_size["shortest_edge"], hf_size["longest_edge"]) == (4 * U, 16 * U)  # read back, then overridden
+    assert ours.video_processor.size == type(hf).videos_kwargs["size"]
     for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor"):
-        theirs = getattr(hf_video, key)
+        theirs = getattr(hf.video_processor, key)
         assert getattr(ours.video_processor, key) == (list(theirs) if isinstance(theirs, tuple) else theirs), key
 
-    prompt = _prompt(ours, "image", "audio")
+    prompt = _prompt(ours, "image", "audio", "video")
     clip = (np.random.default_rng(2).standard_normal(16000) * 0.1).astype(np.float32)
-    expected = hf(text=[prompt], images=[_image(3)], audio=[clip], return_tensors="pt")
-    out = ours.process({"prompt": prompt, "multi_modal_data": {"image": _image(3), "audio": (clip, 16000)}})
-    image, audio = out.mm_features
+    frames = _video(4)
+    expected = hf(text=[prompt], images=[_image(3)], audio=[clip], videos=[frames], return_tensors="pt")
+    out = ours.process(
+        {"prompt": prompt, "multi_modal_data": {"image": _image(3), "audio": (clip, 16000), "video": frames}}
+    )
+    image, audio, video = out.mm_features
     assert out.prompt_token_ids == expected["input_ids"][0].tolist()
     assert torch.equal(image.data["pixel_values"], expected["pixel_values"])
     n = int(expected["feature_attention_mask"][0].sum())
     assert torch.equal(audio.data["input_features"], expected["input_features"][0, :, :n])
+    assert torch.equal(video.data["video_grid_thw"], expected["video_grid_thw"])
+    assert torch.equal(video.data["pixel_values_videos"], expected["pixel_values_videos"])
 
 
 def _write(path, name: str, data: dict) -> None:
@@ -129,10 +132,9 @@ def test_settings_precedence_follows_transformers(tmp_path):
 
     _write(tmp_path, "preprocessor_config.json", {"max_pixels": 1000, "sampling_rate": 8000})
     borrowed = processor_settings(tmp_path, "video")
-    assert borrowed.borrowed and borrowed.values["max_pixels"] == 1000
+    assert borrowed.source == "preprocessor_config.json" and borrowed.values["max_pixels"] == 1000
     _write(tmp_path, "video_preprocessor_config.json", {"max_pixels": 2000})
     assert processor_settings(tmp_path, "video").values == {"max_pixels": 2000}
-    assert not processor_settings(tmp_path, "video").borrowed
 
     # a processor_config.json without nested blocks (older transformers 4
     # processors wrote one) leaves the legacy files in charge

@@ -166,15 +166,17 @@ def test_media_second_turn_hits_and_equals_cache_off(make_q3: Any, modality: str
     from PIL import Image
 
     rng = np.random.default_rng(1)
+    # Qwen3-Omni's processor sizes every video to at least 128 merged tokens per frame pair: one pair.
     item = (
         Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))
         if modality == "image"
-        else rng.integers(0, 255, (4, 64, 96, 3), dtype=np.uint8)
+        else rng.integers(0, 255, (2, 32, 32, 3), dtype=np.uint8)
     )
+    room = {"max_model_len": 512, "talker_max_model_len": 640}
     off = _media_conversation(
-        make_q3(enable_prefix_caching=False, max_num_batched_tokens=16), modality, item
+        make_q3(enable_prefix_caching=False, max_num_batched_tokens=16, **room), modality, item
     )
-    llm = make_q3(max_num_batched_tokens=16)
+    llm = make_q3(max_num_batched_tokens=16, **room)
     on = _media_conversation(llm, modality, item)
     assert on[1].num_cached_tokens > 0
     for ours, ref in zip(on, off):
