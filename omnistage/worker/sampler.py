@@ -235,7 +235,11 @@ class SamplingState:
         v = self.vocab_size
         if params.allowed_token_ids is not None:
             allowed = [t for t in set(params.allowed_token_ids) - set(params.suppress_token_ids) if t < v]
-            assert allowed, "SamplingParams.check_vocab refuses an allowed set that suppress_token_ids empties"
+            if not allowed:  # refused at admission (SamplingParams.check_vocab); a state built directly
+                raise ValueError(
+                    f"SamplingParams.allowed_token_ids leaves no token below the vocabulary size {v} "
+                    "that is not also suppressed"
+                )
             mask = torch.ones(v, dtype=torch.bool)
             mask[allowed] = False
             return mask
