@@ -318,7 +318,8 @@ def main() -> None:
     load_after = os.getloadavg()
 
     print(f"\nspeculative decoding vs off, {loaded.name}, {torch.get_num_threads()} threads, "
-          f"{new_tokens} new tokens, {reps} interleaved pairs ({chat_reps} for chat); ngram k_max={NGRAM['num_speculative_tokens']}, "
+          f"{new_tokens} new tokens, {reps} interleaved pairs ({chat_reps} for chat); "
+          f"ngram k_max={NGRAM['num_speculative_tokens']}, "
           f"eagle-rand (random head) k={eagle_cfg['num_speculative_tokens']}")  # fmt: skip
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1-min; {os.cpu_count()} CPUs)")
     head = f"{'method':<11}{'workload':<14}{'batch':>6}{'off tok/s':>11}{'spec tok/s':>13}{'ratio':>8}{'spread':>14}{'target':>8}  ok"

@@ -353,6 +353,6 @@ def test_vocabulary_limits_are_checked_at_admission(engine):
         engine.add_request("a", PROMPTS[0], SamplingParams(allowed_token_ids=[1, too_big]))
     with pytest.raises(ValueError, match=r"request 'b': SamplingParams\.logprobs .* exceeds the vocabulary size"):
         engine.add_request("b", PROMPTS[0], SamplingParams(logprobs=too_big))
-    with pytest.raises(ValueError, match=r"request 'c': SamplingParams\.allowed_token_ids are all in suppress_token_ids"):
+    with pytest.raises(ValueError, match=r"request 'c': SamplingParams\.allowed_token_ids are all in suppress_tok"):
         engine.add_request("c", PROMPTS[0], SamplingParams(allowed_token_ids=[5, 6], suppress_token_ids=[6, 5, 7]))
     assert not engine.has_unfinished_requests() and not engine.output_processor.states

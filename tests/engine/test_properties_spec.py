@@ -96,7 +96,8 @@ def _request(loaded, drawn: dict) -> tuple[dict, SamplingParams]:
         if key in options:
             options[key] = sorted({cycle[i] for i in options[key]})
     if "allowed_token_ids" in options and "suppress_token_ids" in options:  # one allowed token left (else refused)
-        options["suppress_token_ids"] = [t for t in options["suppress_token_ids"] if t != options["allowed_token_ids"][0]]
+        kept = options["allowed_token_ids"][0]
+        options["suppress_token_ids"] = [t for t in options["suppress_token_ids"] if t != kept]
     if "stop" in options:
         options["stop"] = [loaded.tokenizer.decode([cycle[i]]).strip() or "x" for i in options["stop"]]
     options["min_tokens"] = min(options.get("min_tokens", 0), drawn["max_tokens"])
