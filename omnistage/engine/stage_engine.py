@@ -351,10 +351,13 @@ class StageEngine:
         self._release([cid for rid in ids for cid in self.output_processor.pop_request(rid)])
 
     def _release(self, children: list[str]) -> None:
-        """Free what ended child requests hold in the scheduler and the runner."""
+        """Free what ended child requests hold in the scheduler and the runner, and the
+        encoder workers' outputs only they were waiting for (no step may come to do it)."""
         if children:
             self.scheduler.abort_requests(children)
             self.runner.forget(children)
+            if self.remote_encoder is not None:
+                self.remote_encoder.release_ended(self.scheduler.requests)
 
     # -- the loop ------------------------------------------------------------
 

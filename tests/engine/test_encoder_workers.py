@@ -304,3 +304,28 @@ def test_a_worker_call_of_several_items_gives_each_item_s_own_rows(kinds):
     alone = [ray.get(ray.get(handle.encode.remote("check", [item]))[0]) for item in items("alone")]
     ray.get(handle.release.remote("check", [it.key for it in items("batch") + items("alone")]))
     assert len(batched) == len(features) and all(torch.equal(a, b) for a, b in zip(batched, alone))
+
+
+def test_aborting_a_request_waiting_on_a_worker_releases_its_output_at_once(kinds):
+    """A request that waits at 0 tokens for its item on a worker is aborted: no step is owed
+    after it, so the abort itself releases the worker's output (nothing stays published)."""
+    k = kinds["vl"]
+    engine = make_engine(k.loaded, num_encoder_workers=1, **ENGINE)
+    wait_alive(engine)
+    pool = engine.remote_encoder
+    handle = pool.workers[0].handle
+    ray.get(handle.set_delay.remote(1.0))
+    try:
+        engine.add_request("waits", {"prompt": "<|image_pad|>describe", "multi_modal_data": {"image": image(11)}},
+                           GREEDY)  # fmt: skip
+        engine.step()
+        engine.step()
+        assert pool.pending_ids() and engine.get_stats().num_waiting_reqs == 1
+        engine.abort_request("waits")
+    finally:
+        ray.get(handle.set_delay.remote(0.0))
+    assert not engine.has_unfinished_requests() and engine.held().is_empty, engine.held()
+    deadline = time.monotonic() + 10
+    while any(s and (s["published"] or s["objects"]) for s in pool.worker_stats()):  # published after the abort
+        assert time.monotonic() < deadline, pool.worker_stats()
+        time.sleep(0.05)

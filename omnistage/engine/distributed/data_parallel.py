@@ -48,6 +48,10 @@ __all__ = ["DataParallelEngine", "DataParallelStats", "ReplicaLoad"]
 logger = logging.getLogger(__name__)
 
 _WAIT_S = 0.05  # the longest ``step`` waits for a replica's step before returning nothing
+# The longest ``held`` / ``get_stats`` wait for a replica (its answer queues behind its step in flight):
+# one that has not answered by then, busy with a long step or hung, is left out of that answer, so a
+# stuck replica never stalls the caller (the server's engine thread, and every stream with it).
+_STATE_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -88,6 +92,9 @@ class _Replica:
     actor: Any
     alive: bool = True
     stepping: Any = None  # the ObjectRef of the step in flight
+    # The requests that step was started for: an id aborted and added again meanwhile is a new
+    # request, and the step's outputs under that id are the old one's.
+    stepped: dict[str, Any] = field(default_factory=dict)
     owes_step: bool = False
     requests: set[str] = field(default_factory=set)
     error: str | None = None
@@ -249,6 +256,7 @@ class DataParallelEngine:
         for r in self._replicas:
             if r.alive and r.stepping is None and (r.requests or r.owes_step):
                 r.stepping = r.actor.step.remote()
+                r.stepped = {rid: self._requests.get(rid) for rid in r.requests}
         outputs, self._failed = self._failed, []
         in_flight = {r.stepping: r for r in self._replicas if r.stepping is not None}
         if not in_flight:
@@ -282,8 +290,8 @@ class DataParallelEngine:
         outputs = []
         for out in result.outputs:
             routed = self._requests.get(out.request_id)
-            if routed is None or routed.replica != replica.index:
-                continue  # aborted meanwhile
+            if routed is None or routed is not replica.stepped.get(out.request_id):
+                continue  # aborted meanwhile (perhaps added again under its id since)
             if not routed.streamed and any(c.token_ids for c in out.outputs):
                 routed.streamed = True  # never retried now: its media need not stay in this process
                 routed.inputs = dataclasses.replace(routed.inputs, mm_features=[], payload=None)
@@ -335,7 +343,10 @@ class DataParallelEngine:
         results = []
         for r, ref in zip(live, refs, strict=True):
             try:
-                results.append((r, ray.get(ref)))
+                results.append((r, ray.get(ref, timeout=_STATE_TIMEOUT_S)))
+            except ray.exceptions.GetTimeoutError:
+                logger.warning("engine replica %d: no answer to %s in %.0f s; left out", r.index, method,
+                               _STATE_TIMEOUT_S)  # fmt: skip
             except ray.exceptions.RayActorError as exc:
                 self._replica_died(r, exc)
         return results

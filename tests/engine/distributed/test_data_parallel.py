@@ -150,6 +150,50 @@ def test_abort_releases_what_every_replica_holds(setups):
     assert tokens(s.llm.generate(s.prompts[:2], GREEDY, use_tqdm=False)) == s.refs[:2]
 
 
+def test_an_id_added_again_after_abort_gets_its_own_answer(setups, monkeypatch):
+    """An id may be reused once its request was aborted, also while the old request's step
+    is still running on the replica: that step's outputs are the old request's, never the
+    new one's (the old one, done in that step, used to end the new one)."""
+    import omnistage.engine.distributed.data_parallel as dp
+
+    s = setups("vl")
+    engine = s.engine
+    old, new = list(range(200, 209)), list(range(220, 229))  # token prompts no cached prefix routes
+    (ref,) = tokens(s.single.generate([{"prompt_token_ids": new}], GREEDY, use_tqdm=False))
+    monkeypatch.setattr(dp, "_WAIT_S", 0.0)  # step() returns while the replica's step runs
+    engine.add_request("again", {"prompt_token_ids": old}, SamplingParams(temperature=0.0, max_tokens=1))
+    replica = engine.replica_of("again")
+    assert engine.step() == [] and engine._replicas[replica].stepping is not None  # the old step in flight
+    engine.abort_request("again")
+    engine.add_request("again", {"prompt_token_ids": new}, GREEDY)
+    assert engine.replica_of("again") == replica
+    outs = [o for o in drain(engine) if o.request_id == "again"]
+    assert outs and all(list(o.prompt_token_ids) == new for o in outs)
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == ref
+    assert_nothing_held(engine)
+
+
+def test_a_stalled_replica_never_stalls_stats(setups):
+    """A replica that does not answer (stopped here) is left out of get_stats / held after a
+    bound, instead of blocking the caller (the server's engine thread) until it wakes."""
+    import os
+    import signal
+    import time
+
+    s = setups("vl")
+    engine = s.engine
+    pid = ray.get(engine.actor(1).pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        stats = engine.get_stats()
+        waited = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert waited < 10 and [load.alive for load in stats.replicas] == [True, False]
+    assert [load.alive for load in engine.get_stats().replicas] == [True, True]
+
+
 def test_a_killed_replica_fails_only_its_requests(setups):
     """Four requests stream on two replicas; a fifth is routed but has streamed
     nothing when its replica is killed: that replica's streamed requests fail
