@@ -13,9 +13,9 @@ A speculating request has ``k`` drafts and ``k + 1`` rows of target logits
   min-p applied, as the plain sampler draws) and otherwise draws from ``p``
   with ``d`` removed. That is exactly drawing a token from ``p`` and keeping
   the draft if the two are equal, which is how it is done here: each
-  position's token is drawn as the plain sampler draws it (an exponential
-  race over ``p``), up to the first that differs from its draft or the one
-  after the last draft (the bonus token).
+  position's token is drawn as the plain sampler draws it (one uniform
+  through ``p``'s cumulative weights), up to the first that differs from its
+  draft or the one after the last draft (the bonus token).
 - So a request draws once per emitted token, as without speculation, from
   its own generator when it is seeded (else the engine's): a seeded request
   emits the tokens it emits with speculation off, whatever its drafts, the
@@ -28,13 +28,12 @@ from __future__ import annotations
 import torch
 
 from omnistage.kernels.argmax import first_argmax
-from omnistage.worker.sampler import Sampler, SamplingMetadata
+from omnistage.worker.sampler import Sampler, SamplingMetadata, draw_rows, uniform
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from unnormalized non-negative ``[V]`` weights (exponential race)."""
-    q = torch.empty_like(weights).exponential_(generator=generator)
-    return int((weights / q).argmax())
+    """One token from unnormalized non-negative ``[V]`` weights, as the plain sampler draws it."""
+    return int(draw_rows(weights.unsqueeze(0), uniform(generator, weights.device).unsqueeze(0)))
 
 
 def accept_random(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None) -> list[int]:

@@ -2,10 +2,11 @@
 
 Penalties, suppressed tokens, min_tokens masking, greedy, temperature,
 top-k, top-p and min-p run as one vectorized pass over the ``[S, V]``
-logits. Draws use the exponential-race trick
-(``argmax(probs / q)`` with ``q ~ Exp(1)``), so a seeded request draws its
-``q`` row from its own generator and gets the same tokens whatever else is in
-the batch; that per-row draw is the only loop over requests.
+logits, with no full sort of the vocabulary (a 49k-token sort per row cost
+more than a decode step). A draw is one uniform number per row, mapped
+through the row's cumulative weights (:func:`draw_rows`), so a seeded request
+draws from its own generator and gets the same tokens whatever else is in
+the batch; that per-row uniform is the only loop over requests.
 """
 
 from __future__ import annotations
@@ -130,38 +131,66 @@ class Sampler:
         logits: torch.Tensor, md: SamplingMetadata, default_generator: torch.Generator | None
     ) -> torch.Tensor:
         probs = Sampler.target_probs(logits, md)
-        q = torch.empty_like(probs)
-        if len(md.generators) < q.shape[0]:
-            q.exponential_(generator=default_generator)
+        u = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
+        if len(md.generators) < u.shape[0]:
+            u.uniform_(generator=default_generator)
         for row, gen in md.generators.items():
-            q[row].exponential_(generator=gen)
-        return (probs / q).argmax(dim=-1)
+            u[row] = uniform(gen, probs.device)
+        return draw_rows(probs, u)
+
+
+def uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One float64 number in [0, 1) from ``generator``: a row's whole draw."""
+    return torch.rand((), dtype=torch.float64, generator=generator, device=device)
+
+
+def draw_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's token from unnormalized non-negative ``[S, V]`` weights and its uniform
+    ``u`` (``[S]``, float64 in [0, 1)): the first token whose cumulative weight exceeds
+    ``u`` times the row's total (inverse-CDF sampling, in float64), never a zero weight."""
+    cum = weights.double().cumsum(dim=-1)
+    ids = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # u * total rounds up to the total once in about 2^53 draws: take the last token with weight.
+    last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(ids, last)
+
+
+# The first top-p window: most rows' nucleus (p <= 0.95, temperature <= 1) lies in their few hundred
+# likeliest tokens; a row it does not cover widens the window fourfold.
+_TOP_P_WINDOW = 256
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p sets to -inf."""
-    if top_k is None and top_p is None:
-        return logits
+    """Mask logits outside each row's top-k and top-p sets to -inf, without sorting the vocabulary.
+
+    Top-k masks below the row's k-th largest logit. Top-p keeps the likeliest tokens while
+    the mass of those before each is below ``p`` (the likeliest always): found in the row's
+    largest probabilities, a partial top-k widened until it holds mass ``p``. Tokens tied
+    with the last one kept stay too.
+    """
     vocab = logits.shape[-1]
-    if top_p is None:
-        # top-k alone: one topk up to the largest k beats a full sort.
-        assert top_k is not None
+    if top_k is not None:
         on = top_k > 0
         k = torch.where(on, top_k.clamp(max=vocab), torch.ones_like(top_k))
         values = logits.topk(int(k.max()), dim=-1).values
         kth = values.gather(1, (k - 1).unsqueeze(1))
         kth = torch.where(on.unsqueeze(1), kth, torch.full_like(kth, _NEG_INF))
-        return logits.masked_fill(logits < kth, _NEG_INF)
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1.0 - top_p).unsqueeze(1)
-    drop[:, -1] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        logits = logits.masked_fill(logits < kth, _NEG_INF)
+    if top_p is None:
+        return logits
+    probs = logits.softmax(dim=-1)
+    off = top_p >= 1.0
+    width = min(vocab, _TOP_P_WINDOW)
+    while True:
+        top = probs.topk(width, dim=-1).values  # descending
+        mass = top.cumsum(dim=-1)
+        if width == vocab or bool(((mass[:, -1] >= top_p) | off).all()):
+            break
+        width = min(vocab, width * 4)
+    kept = 1 + (mass[:, :-1] < top_p.unsqueeze(1)).sum(dim=-1)
+    cutoff = top.gather(1, (kept - 1).unsqueeze(1))
+    cutoff = torch.where(off.unsqueeze(1), torch.zeros_like(cutoff), cutoff)
+    return logits.masked_fill(probs < cutoff, _NEG_INF)
 
 
 class SamplingState:

@@ -164,3 +164,45 @@ def test_first_argmax_equals_argmax_with_ties_and_nan(dtype):
     logits[9, :] = float("-inf")
     logits[11, 999] = float("inf")
     assert torch.equal(first_argmax(logits), logits.argmax(-1))
+
+
+def _top_k_top_p_by_sorting(logits, top_k, top_p):
+    """The definition, by a full sort (transformers' warpers): top-k, then drop the tokens whose
+    ascending cumulative probability stays within 1 - p, never the likeliest."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (a nucleus of thousands: the window widens) to peaked
+def test_top_p_without_sorting_equals_the_sorted_definition(scale):
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(6, 5000, generator=gen) * scale
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.999, 1.0, 0.3])
+    for top_k in (None, torch.tensor([0, 50, 2000, 1, 0, 4999])):
+        ours = apply_top_k_top_p(logits, top_k, top_p)
+        assert torch.equal(torch.isinf(ours), torch.isinf(_top_k_top_p_by_sorting(logits, top_k, top_p)))
+        assert torch.equal(ours[torch.isfinite(ours)], logits[torch.isfinite(ours)])
+
+
+def test_a_draw_follows_the_weights_and_never_takes_a_zero_one():
+    from omnistage.worker.sampler import draw_rows
+
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0], [5.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(3)
+    u = torch.rand(20000, dtype=torch.float64, generator=gen)
+    ids = draw_rows(weights[:1].expand(20000, -1), u)
+    counts = torch.bincount(ids, minlength=6).double()
+    assert counts[[0, 2, 5]].sum() == 0 and abs(counts[1] / 20000 - 0.5) < 0.015
+    assert abs(counts[3] / 20000 - 0.25) < 0.015
+    edge = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)  # the ends of [0, 1)
+    assert draw_rows(weights, edge).tolist() == [1, 0]
+    assert draw_rows(weights[:1], torch.tensor([1.0], dtype=torch.float64)).tolist() == [4]  # u * total = total
