@@ -38,36 +38,8 @@ from omnistage.engine.arg_utils import EngineArgs  # noqa: E402
 from omnistage.engine.stage_engine import LLMEngine  # noqa: E402
 from omnistage.models.loader import load_model  # noqa: E402
 from omnistage.sampling_params import SamplingParams  # noqa: E402
+from omnistage.testing.textbook_sampling import textbook_sample_random, textbook_top_k_top_p  # noqa: E402
 from omnistage.worker import sampler  # noqa: E402
-
-_NEG_INF = float("-inf")
-
-
-def textbook_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Top-k / top-p by a full sort of each row (transformers' warpers)."""
-    if top_k is None and top_p is None:
-        return logits
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = sorted_logits.gather(1, (vocab - k)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
-    if top_p is not None:
-        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - top_p)[:, None]
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def textbook_sample_random(logits, md, default_generator):
-    """An exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)`` per token."""
-    probs = sampler.Sampler.target_probs(logits, md)
-    q = torch.empty_like(probs)
-    q.exponential_(generator=default_generator)
-    for row, gen in md.generators.items():
-        q[row].exponential_(generator=gen)
-    return (probs / q).argmax(dim=-1)
 
 
 class Textbook:

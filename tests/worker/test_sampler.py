@@ -8,6 +8,7 @@ import torch
 
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.input_batch import InputBatch
+from omnistage.testing.textbook_sampling import textbook_top_k_top_p
 from omnistage.worker.sampler import Sampler, SamplingState, apply_top_k_top_p
 
 V = 50
@@ -166,22 +167,6 @@ def test_first_argmax_equals_argmax_with_ties_and_nan(dtype):
     assert torch.equal(first_argmax(logits), logits.argmax(-1))
 
 
-def _top_k_top_p_by_sorting(logits, top_k, top_p):
-    """The definition, by a full sort (transformers' warpers): top-k, then drop the tokens whose
-    ascending cumulative probability stays within 1 - p, never the likeliest."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (a nucleus of thousands: the window widens) to peaked
 def test_top_p_without_sorting_equals_the_sorted_definition(scale):
     gen = torch.Generator().manual_seed(int(scale * 10))
@@ -189,7 +174,7 @@ def test_top_p_without_sorting_equals_the_sorted_definition(scale):
     top_p = torch.tensor([0.5, 0.9, 0.95, 0.999, 1.0, 0.3])
     for top_k in (None, torch.tensor([0, 50, 2000, 1, 0, 4999])):
         ours = apply_top_k_top_p(logits, top_k, top_p)
-        assert torch.equal(torch.isinf(ours), torch.isinf(_top_k_top_p_by_sorting(logits, top_k, top_p)))
+        assert torch.equal(torch.isinf(ours), torch.isinf(textbook_top_k_top_p(logits, top_k, top_p)))
         assert torch.equal(ours[torch.isfinite(ours)], logits[torch.isfinite(ours)])
 
 
