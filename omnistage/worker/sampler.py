@@ -149,10 +149,11 @@ def draw_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ``u`` (``[S]``, float64 in [0, 1)): the first token whose cumulative weight exceeds
     ``u`` times the row's total (inverse-CDF sampling, in float64), never a zero weight."""
     cum = weights.double().cumsum(dim=-1)
-    ids = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(1), right=True).squeeze(1)
-    # u * total rounds up to the total once in about 2^53 draws: take the last token with weight.
-    last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(ids, last)
+    total = cum[:, -1:].contiguous()
+    ids = torch.searchsorted(cum, u.unsqueeze(1) * total, right=True)
+    # u * total rounds up to the total once in about 2^53 draws: then the last token with weight,
+    # the first whose cumulative weight reaches the total (a binary search, not another pass).
+    return torch.minimum(ids, torch.searchsorted(cum, total)).squeeze(1)
 
 
 # The first top-p window: most rows' nucleus (p <= 0.95, temperature <= 1) lies in their few hundred
