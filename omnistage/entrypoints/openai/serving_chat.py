@@ -35,7 +35,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from omnistage.entrypoints.openai.engine_client import EngineDeadError, EngineError, RequestStream
+from omnistage.entrypoints.openai.engine_client import EngineError, RequestStream
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import decode_audio, load_image
 from omnistage.entrypoints.openai.protocol import (
@@ -68,6 +68,7 @@ from omnistage.entrypoints.openai.serving_common import (
     clamp_logprob,
     engine_failure,
     new_id,
+    prepare_on_engine,
     record_finished,
     sse,
     template_kwargs,
@@ -238,9 +239,9 @@ class ChatServing:
             return engine.encode_chat(messages, **kwargs)
 
         try:
-            return await self.ctx.client.prepare(render)
-        except EngineDeadError as exc:
-            raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
+            return await prepare_on_engine(self.ctx, render)
+        except APIError:
+            raise
         except Exception as exc:  # noqa: BLE001 - template errors (role order, bad kwargs) are the client's
             raise bad_request(f"Could not apply the chat template: {exc}", param="messages", code="invalid_messages") from None
 

@@ -204,6 +204,20 @@ def template_kwargs(ctx: ServingContext, kwargs: dict[str, Any] | None, add_gene
     return kwargs
 
 
+async def prepare_on_engine(ctx: ServingContext, fn: Any) -> Any:
+    """``fn(engine)`` on the client's preparation thread (chat rendering, tokenizing); a 503
+    while the engine is not running, so the client knows to retry."""
+    try:
+        return await ctx.client.prepare(fn)
+    except EngineDeadError as exc:
+        raise engine_unavailable(exc) from None
+
+
+def engine_unavailable(exc: EngineDeadError) -> APIError:
+    """A 503 for a request that arrives while the engine is not running (dead, rebuilding, stopping)."""
+    return APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable")
+
+
 def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:
     """A 400 for ``add_request`` refusing a request (too long, bad ids, bad params)."""
     msg = str(exc)
@@ -241,7 +255,7 @@ async def add_to_engine(
     except ValueError as exc:
         raise engine_rejection(exc, prompt_param) from None
     except EngineDeadError as exc:
-        raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
+        raise engine_unavailable(exc) from None
 
 
 def engine_failure(exc: EngineError) -> APIError:

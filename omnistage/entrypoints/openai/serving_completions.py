@@ -16,8 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from omnistage.entrypoints.openai.engine_client import EngineDeadError, EngineError, RequestStream
-from omnistage.entrypoints.openai.errors import APIError, bad_request
+from omnistage.entrypoints.openai.engine_client import EngineError, RequestStream
+from omnistage.entrypoints.openai.errors import bad_request
 from omnistage.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -37,6 +37,7 @@ from omnistage.entrypoints.openai.serving_common import (
     engine_failure,
     merge_streams,
     new_id,
+    prepare_on_engine,
     record_finished,
     sse,
     top_entries,
@@ -152,10 +153,7 @@ class CompletionServing:
         ]
         if unsure:
             texts = [prompts[i] for i in unsure]
-            try:
-                lengths = await ctx.client.prepare(lambda engine: [len(engine.tokenizer.encode(t)) for t in texts])
-            except EngineDeadError as exc:
-                raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
+            lengths = await prepare_on_engine(ctx, lambda engine: [len(engine.tokenizer.encode(t)) for t in texts])
             for i, n in zip(unsure, lengths):
                 counts[i] = n
         for n, param in zip(counts, params_of):

@@ -19,10 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from omnistage.entrypoints.openai.engine_client import EngineDeadError
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.protocol import ChatMessage, parse_request
-from omnistage.entrypoints.openai.serving_common import ServingContext, template_kwargs
+from omnistage.entrypoints.openai.serving_common import ServingContext, prepare_on_engine, template_kwargs
 
 
 class _Strict(BaseModel):
@@ -92,12 +91,6 @@ class TokenizeServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def _prepare(self, fn: Any) -> Any:
-        try:
-            return await self.ctx.client.prepare(fn)
-        except EngineDeadError as exc:
-            raise APIError(str(exc), status_code=503, type="server_error", code="engine_unavailable") from None
-
     async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         self.ctx.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
@@ -109,7 +102,7 @@ class TokenizeServing:
                 return engine.encode_chat(messages, **kwargs)["prompt"]
 
             try:
-                text = await self._prepare(render)
+                text = await prepare_on_engine(self.ctx, render)
             except APIError:
                 raise
             except Exception as exc:  # noqa: BLE001 - template errors (role order, bad kwargs) are the client's
@@ -122,7 +115,7 @@ class TokenizeServing:
             strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return list(ids), strs
 
-        tokens, token_strs = await self._prepare(encode)
+        tokens, token_strs = await prepare_on_engine(self.ctx, encode)
         return TokenizeResponse(count=len(tokens), max_model_len=self.ctx.max_model_len, tokens=tokens, token_strs=token_strs)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
@@ -137,5 +130,5 @@ class TokenizeServing:
                     code="invalid_token_id",
                 )
         tokens = list(req.tokens)
-        text = await self._prepare(lambda engine: engine.tokenizer.decode(tokens))
+        text = await prepare_on_engine(self.ctx, lambda engine: engine.tokenizer.decode(tokens))
         return DetokenizeResponse(prompt=text)

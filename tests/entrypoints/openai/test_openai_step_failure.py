@@ -14,6 +14,8 @@ import pytest
 
 from oai_helpers import TINY_MODEL_NAME, Server, start_server
 
+from omnistage.entrypoints.openai.engine_client import EngineDeadError
+
 
 @pytest.fixture
 def own_server(tiny_checkpoints) -> Iterator[Server]:
@@ -147,3 +149,27 @@ def test_failed_cleanup_rebuilds_the_engine(own_server: Server, monkeypatch) -> 
     again = httpx.post(f"{server.v1}/completions", json=BODY, timeout=60)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
     assert server.wait_idle().kv_blocks_used == 0
+
+
+def test_requests_while_the_engine_is_down_get_503(own_server: Server, monkeypatch) -> None:
+    """While the engine is not running (dead, being rebuilt, stopping), every route that needs it
+    answers 503 engine_unavailable, the retryable status, including those whose preparation
+    (chat rendering, tokenizing) runs before the engine sees the request."""
+    server = own_server
+    client = server.app.state.engine_client
+    monkeypatch.setattr(client, "_dead", EngineDeadError("test: the engine is down"))
+    chat = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    long_prompt = {**BODY, "prompt": "word " * 400}  # long enough that its length is checked by tokenizing
+    routes = [
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", BODY),
+        ("/v1/completions", long_prompt),
+        ("/tokenize", {"model": TINY_MODEL_NAME, "prompt": "hi"}),
+        ("/tokenize", {"model": TINY_MODEL_NAME, "messages": chat["messages"]}),
+        ("/detokenize", {"model": TINY_MODEL_NAME, "tokens": [1, 2, 3]}),
+    ]
+    for path, body in routes:
+        resp = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+        assert (resp.status_code, resp.json()["error"]["code"]) == (503, "engine_unavailable"), (path, resp.text)
+    monkeypatch.undo()
+    assert httpx.post(f"{server.v1}/completions", json=BODY, timeout=60).status_code == 200
