@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from omnistage.core.config import SchedulerConfig
@@ -220,6 +220,13 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
+
+    def finish_stopped(self, past_stop: Mapping[str, int]) -> None:
+        """End the requests a stop string finished; ``past_stop[rid]``: how many of the
+        tokens its last step appended came after the stop string (a verified run can
+        carry past it). They were never reported, so they leave the output count."""
+        self.finish_requests(past_stop, RequestStatus.FINISHED_STOPPED)
+        self.num_output_tokens -= sum(past_stop.values())
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)

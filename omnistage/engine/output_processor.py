@@ -207,11 +207,13 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], runner_output: ModelRunnerOutput, now: float
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput], dict[str, int]]:
         """Outputs of the user requests touched this step, and the child ids
-        that a stop string finished (the scheduler must still be told)."""
+        that a stop string finished (the scheduler must still be told), each
+        with how many of its step's tokens came after the stop string (a
+        verified run can carry past it; those are never reported)."""
         touched: dict[str, RequestState] = {}
-        stopped: list[str] = []
+        stopped: dict[str, int] = {}
         for cid, rows in (runner_output.hidden_states or {}).items():
             entry = self.children.get(cid)
             if entry is not None:  # rows of a partial prefill chunk too: its request is not in ``updated``
@@ -236,18 +238,19 @@ class OutputProcessor:
                 per_token = runner_output.spec_logprobs.get(req.request_id)
                 if per_token is None:
                     per_token = [runner_output.logprobs.get(req.request_id)] if len(new_ids) == 1 else None
+                added = len(new_ids)
                 if len(new_ids) > 1 and (comp.stop or per_token is not None):
                     # Several tokens in one step (speculative decoding): each is added on its
                     # own, and a stop string is looked for after each, so no token past it is reported.
-                    last = len(new_ids) - 1
-                    stop = any(
-                        comp.add_token_ids([t], per_token[i] if per_token else None, more=i < last)
-                        for i, t in enumerate(new_ids)
-                    )
+                    stop, last = False, len(new_ids) - 1
+                    for i, t in enumerate(new_ids):
+                        if comp.add_token_ids([t], per_token[i] if per_token else None, more=i < last):
+                            stop, added = True, i + 1
+                            break
                 else:
                     stop = comp.add_token_ids(new_ids, per_token[0] if per_token else None)
                 if stop and not req.finished:
-                    stopped.append(req.request_id)
+                    stopped[req.request_id] = len(new_ids) - added
             elif req.finished:
                 comp.add_token_ids([], None)
             touched[state.request_id] = state

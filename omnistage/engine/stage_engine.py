@@ -388,7 +388,7 @@ class StageEngine:
         updated = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(updated, runner_out, time.monotonic())
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_stopped(stopped)
         if remote is not None:
             remote.release_ended(self.scheduler.requests)  # what ended releases its published outputs now
         self.num_steps += 1

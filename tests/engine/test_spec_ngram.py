@@ -250,7 +250,10 @@ def test_stop_string_inside_an_accepted_run(copying):
     out = run_all(engine, [prompt], stop_params)[0].outputs[0]
     assert (out.text, out.token_ids, out.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
     assert out.finish_reason == "stop" and len(out.token_ids) <= 8
-    assert engine.get_stats().num_accepted_tokens > 0
+    stats = engine.get_stats()
+    assert stats.num_accepted_tokens > 0
+    # Verified tokens past the stop string are never reported, nor counted as generated.
+    assert stats.num_generated_tokens == len(out.token_ids)
     _assert_held_nothing(engine)
 
 
