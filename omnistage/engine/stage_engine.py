@@ -24,7 +24,7 @@ from omnistage.attention.kv_cache import kv_cache_bytes_per_block
 from omnistage.core.config import SchedulerConfig
 from omnistage.core.encoder_cache_manager import compute_mm_encoder_budget
 from omnistage.core.chunked_scheduler import ChunkedScheduler
-from omnistage.core.request import Request, RequestStatus
+from omnistage.core.request import Request
 from omnistage.core.scheduler import Scheduler
 from omnistage.core.spec_decode import SpeculativeConfig
 from omnistage.engine.arg_utils import EngineArgs
