@@ -179,11 +179,11 @@ def propose_what_is_kept(engine: LLMEngine, futures: list[list[int]]) -> None:
     every one that would be kept is verified. ``futures[i]``: prompt ``i``'s greedy output
     (request ids end in ``-i``, as :func:`run_side_by_side` names them)."""
 
-    def propose(request, n, budget):
+    def propose(request, n):  # the step's budget cuts the drafts later, as the engine's own
         if n != 1 or request.num_computed_tokens != request.num_tokens - 1:
             return []
         future = futures[int(request.request_id.rsplit("-", 1)[1])][request.num_output_tokens :]
-        k = min(NGRAM["num_speculative_tokens"], budget - 1, len(future) - 1)
+        k = min(NGRAM["num_speculative_tokens"], len(future) - 1)
         if k < 1:
             return []
         drafts = propose_ngram(request.all_token_ids, k, NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"])
@@ -197,7 +197,7 @@ def verify_cost(engine: LLMEngine, batch: int, steps: int, reps: int) -> list[fl
     sched = engine.scheduler
     forced = {"k": 0}
 
-    def propose(request, n, budget):  # every draft the token just emitted: (almost) always rejected
+    def propose(request, n):  # every draft the token just emitted: (almost) always rejected
         if n != 1 or request.num_computed_tokens != request.num_tokens - 1 or not forced["k"]:
             return []
         return [request.all_token_ids[-1]] * forced["k"]

@@ -76,9 +76,11 @@ class Scheduler:
     Speculative decoding (``config.speculative_config``): a decode request
     whose parameters the verifier supports (``can_speculate``) gets up to
     ``k`` draft tokens from prompt lookup, scheduled after its last token
-    (``1 + drafts`` tokens, KV slots included, within the step's budget, the
-    context length and ``max_tokens``; drafts whose slots the free pool
-    cannot supply are dropped, never paid for with a preemption). The drafts never enter
+    (``1 + drafts`` tokens, KV slots included, within the context length and
+    ``max_tokens``). Drafts come last in the step: from the budget and the free
+    blocks left once every running request has its tokens and waiting ones
+    were admitted, so they never cost another request its token, a preemption
+    or a prefill; drafts that do not fit are cut or dropped. The drafts never enter
     ``all_token_ids`` or the block hashes; after the step the accepted ones
     are appended like sampled tokens, one by one through the stop checks, and
     ``num_computed_tokens`` is rolled back past the rejected ones, so the next
@@ -266,8 +268,12 @@ class Scheduler:
             self.encoder.begin_pass()
 
         # 1. Running requests: decodes and the next chunk of unfinished prefills.
+        # Their own tokens first, for every one of them: drafts come in pass 3,
+        # from what the step has left, so they never cost another request its
+        # token, its blocks (a preemption) or a waiting request its prefill.
         self._worth_drafting = self._allocate_drafts()
         self._drafter_ks = {}
+        scheduled: list[tuple[Request, list[int], bool, CachedRequestData]] = []  # with drafts, sampling?
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -277,26 +283,16 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            drafts = self._propose(request, n, budget)
-            # Drafts (and the slots a drafter writes ahead) never cost a preemption:
-            # without free slots for them, decode one token.
-            new_blocks = None
-            for extra in self._speculative_slots(request, n, len(drafts)):
-                new_blocks = kv.allocate_slots(request, n + extra)
-                if new_blocks is not None:
-                    break
-            if new_blocks is None:
-                drafts = []
-                new_blocks = self._allocate_or_preempt(request, n, preempted)
+            drafts = self._propose(request, n)
+            samples = request.num_computed_tokens + n == request.num_tokens
+            new_blocks = self._allocate_or_preempt(request, n, preempted)
             if new_blocks is None:  # preempted itself (which released its encoder plan too)
                 break
-            cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
-            if drafts:
-                request.spec_token_ids = drafts
-                spec_tokens[request.request_id] = drafts
-            self._commit(request, n + len(drafts), enc, num_scheduled, encoder_inputs)
-            self._request_drafts(request, len(drafts), draft_requests)
-            budget -= n + len(drafts)
+            cached = CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+            cached_reqs.append(cached)
+            self._commit(request, n, enc, num_scheduled, encoder_inputs)
+            budget -= n
+            scheduled.append((request, drafts, samples, cached))
             i += 1
 
         # 2. Waiting requests, unless blocks already ran out this step. One that
@@ -336,6 +332,25 @@ class Scheduler:
             self._commit(request, n, enc, num_scheduled, encoder_inputs)
             self._request_drafts(request, 0, draft_requests)
             budget -= n
+
+        # 3. Drafts, and the slots a drafter writes ahead, from the budget and the free
+        # blocks left: without slots for them, the request decodes its one token.
+        for request, drafts, samples, cached in scheduled:
+            drafts = drafts[:budget]
+            for extra in self._speculative_slots(request, samples, len(drafts)):
+                new_blocks = kv.allocate_slots(request, extra)
+                if new_blocks is not None:
+                    cached.new_block_ids.extend(new_blocks)
+                    break
+            else:
+                drafts = []
+            if drafts:
+                request.spec_token_ids = drafts
+                spec_tokens[request.request_id] = drafts
+                num_scheduled[request.request_id] += len(drafts)
+                request.num_computed_tokens += len(drafts)
+                budget -= len(drafts)
+            self._request_drafts(request, len(drafts), draft_requests)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -407,27 +422,25 @@ class Scheduler:
         self.draft_policy.shadow(request.draft_state, proposal)
         return proposal
 
-    def _max_drafts(self, request: Request, budget: int | None = None) -> int:
+    def _max_drafts(self, request: Request) -> int:
         """Drafts that fit ``request``'s next step with their bonus token: the configured
-        ``k``, the context length, ``max_tokens`` and the step's token ``budget``."""
+        ``k``, the context length and ``max_tokens`` (the step's budget cuts them in pass 3)."""
         k = min(self.config.speculative_config.num_speculative_tokens, self.max_len(request) - request.num_tokens - 1)
-        if budget is not None:
-            k = min(k, budget - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         return max(k, 0)
 
-    def _propose(self, request: Request, n: int, budget: int) -> list[int]:
+    def _propose(self, request: Request, n: int) -> list[int]:
         """Draft tokens for a decode step (``n == 1``, the last known token
         unprocessed), capped so that the accepted ones plus the bonus token fit
-        the budget, the context length and ``max_tokens``."""
+        the context length and ``max_tokens`` (the step's budget cuts them later)."""
         cfg = self.config.speculative_config
         if cfg is None or n != 1 or request.num_computed_tokens != request.num_tokens - 1:
             return []
         if not self.can_speculate(request):
             return []
-        k = self._max_drafts(request, budget)
+        k = self._max_drafts(request)
         if k < 1:
             return []
         if not cfg.uses_drafter:  # this step's lookup, cut to the policy's allocation
@@ -467,18 +480,14 @@ class Scheduler:
             if k > 0:
                 draft_requests[request.request_id] = k
 
-    def _speculative_slots(self, request: Request, n: int, num_drafts: int) -> list[int]:
-        """Slot counts past the ``n`` tokens to try allocating, most first: the
-        drafts, plus the ``k - 1`` positions a worker drafter writes its KV at
-        after the last verified token (a request that samples this step)."""
+    def _speculative_slots(self, request: Request, samples: bool, num_drafts: int) -> list[int]:
+        """Slot counts past the step's scheduled tokens to try allocating, most
+        first: the drafts, plus the ``k - 1`` positions a worker drafter writes
+        its KV at after the last verified token (``samples``: the request samples
+        this step)."""
         cfg = self.config.speculative_config
         lookahead = 0
-        if (
-            cfg is not None
-            and cfg.uses_drafter
-            and request.num_computed_tokens + n == request.num_tokens
-            and self.can_speculate(request)
-        ):
+        if cfg is not None and cfg.uses_drafter and samples and self.can_speculate(request):
             room = self.max_len(request) - (request.num_tokens + num_drafts)
             lookahead = max(0, min(self._num_drafts(request) - 1, room))
         return [x for x in dict.fromkeys((num_drafts + lookahead, num_drafts)) if x > 0]

@@ -16,6 +16,7 @@ draft of a cycle is accepted); 0.01 keeps attention in play.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -644,8 +645,8 @@ def test_vision_language_outputs_equal_and_placeholders_never_proposed(tmp_path)
     proposed: list[int] = []
     propose = engine.scheduler._propose
 
-    def spy(request, n, budget):
-        drafts = propose(request, n, budget)
+    def spy(request, n):
+        drafts = propose(request, n)
         proposed.extend(drafts)
         return drafts
 
@@ -776,3 +777,31 @@ def test_scheduler_drops_drafts_rather_than_preempt():
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.scheduled_spec_decode_tokens
     assert sched.num_preemptions == 0 and not so.preempted_req_ids
+
+
+def test_scheduler_drafts_come_after_every_requests_own_token(always_draft):
+    """Drafts take only what the step has left once every running request has its token
+    and its blocks: one request's drafts never preempt another (the pool has one free
+    block, which B's decode needs) nor starve it of the step's budget."""
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    def second_step(budget=64, **kw):
+        sched = _spec_scheduler(**kw)
+        a = Request("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=10))  # a copy: lookup drafts [3, 1]
+        b = Request("b", [7, 8, 9, 10, 11, 12, 13, 14], SamplingParams(max_tokens=10))
+        sched.add_request(a)
+        sched.add_request(b)
+        so = sched.schedule()
+        sched.update_from_output(so, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids={"a": 2, "b": 15}))
+        sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=budget)  # both prefilled
+        return sched, sched.schedule()
+
+    sched, so = second_step(num_kv_blocks=5)  # 4 blocks held, 1 free: b's 9th token needs it
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.scheduled_spec_decode_tokens
+    assert not so.preempted_req_ids and sched.num_preemptions == 0
+    sched, so = second_step(budget=3)  # a's drafts fit only in what b leaves
+    assert so.num_scheduled_tokens == {"a": 2, "b": 1} and so.scheduled_spec_decode_tokens == {"a": [3]}
+    sched, so = second_step()  # room for everything: a drafts its whole proposal
+    assert so.num_scheduled_tokens == {"a": 1 + len(so.scheduled_spec_decode_tokens["a"]), "b": 1}
+    assert so.scheduled_spec_decode_tokens["a"][:2] == [3, 1]
