@@ -170,13 +170,15 @@ class EncoderScheduler:
             # The boundary item is optional: it is skipped when it cannot be had.
             for k in self._boundary_items(features, end, lookahead):
                 feature = features[k]
-                if k in held or k in plan.pinned or k in plan.to_encode or k in plan.same_content:
+                if k in held or k in plan.pinned or k in plan.to_encode or k in plan.to_load or k in plan.same_content:
                     continue
                 if feature.identifier in chosen:
                     plan.same_content.append(k)
                 elif manager.check_and_update_cache(request, k):
                     plan.pinned.append(k)
-                elif manager.can_allocate(request, k, self.budget_left - plan.num_embeds, plan.num_embeds):
+                elif feature.identifier not in self.remote_pending and manager.can_allocate(
+                    request, k, self.budget_left - plan.num_embeds, plan.num_embeds + plan.num_load_embeds
+                ):
                     plan.to_encode.append(k)
                     plan.num_embeds += feature.mm_position.get_num_embeds()
                     chosen.add(feature.identifier)

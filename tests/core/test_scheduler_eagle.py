@@ -130,6 +130,31 @@ def test_boundary_item_is_encoded_early_when_the_budget_allows():
     assert worker.boundary_served == 1 and worker.boundary_fallback == 0
 
 
+def test_boundary_item_counts_the_rows_of_items_loaded_in_the_same_window():
+    """With encoder workers: an item a worker published inside the window is loaded (cache
+    rows, no compute budget); the boundary item behind it is taken early only if the cache
+    holds both (here it does not: 6 + 12 rows > 15), and never while a worker encodes it."""
+    sched = _sched(speculative_config=EAGLE, max_num_batched_tokens=8, encoder_compute_budget=15,
+                   encoder_cache_size=15)  # fmt: skip
+    sched.add_request(_req("r", _text(30, 0), [(2, 6, "a"), (8, 12, "b")]))
+    sched.encoder.remote_ready = {"a"}
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r": 8} and out.remote_encoder_inputs == {"r": [0]}
+    assert not out.scheduled_encoder_inputs
+    sched = _sched(speculative_config=EAGLE, max_num_batched_tokens=8, encoder_compute_budget=30,
+                   encoder_cache_size=30)  # fmt: skip
+    sched.add_request(_req("r", _text(30, 0), [(2, 6, "a"), (8, 12, "b")]))
+    sched.encoder.remote_ready, sched.encoder.remote_pending = {"a"}, {"b"}
+    out = sched.schedule()
+    assert out.remote_encoder_inputs == {"r": [0]} and not out.scheduled_encoder_inputs  # not encoded twice
+    sched = _sched(speculative_config=EAGLE, max_num_batched_tokens=8, encoder_compute_budget=30,
+                   encoder_cache_size=30)  # fmt: skip
+    sched.add_request(_req("r", _text(30, 0), [(2, 6, "a"), (8, 12, "b")]))
+    sched.encoder.remote_ready = {"a"}
+    out = sched.schedule()  # room for both: the boundary item is encoded early
+    assert out.remote_encoder_inputs == {"r": [0]} and out.scheduled_encoder_inputs == {"r": [1]}
+
+
 def test_one_item_cache_never_stalls_on_the_look_ahead():
     """Back-to-back items in a cache that holds one: while the first is
     referenced the second cannot be taken early, so the drafter falls back;
