@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from omnistage.core.request import Request
 
@@ -197,6 +197,27 @@ class EncoderCacheManager:
         """Release every hold of ``request`` (on finish, abort or preemption)."""
         for input_id in sorted(self.get_cached_input_ids(request)):
             self.free_encoder_input(request, input_id)
+
+    def invalidate(self, identifiers: Iterable[str]) -> None:
+        """Forget entries whose outputs the worker does not hold after all (their
+        encoder run failed, or was skipped with the request that owned it): their
+        rows are free again and the requests holding them lose the hold, so the next
+        window that needs such an item encodes it, instead of a hit on nothing."""
+        for identifier in identifiers:
+            users = self.cached.pop(identifier, None)
+            if users is None:
+                continue
+            size = self.entry_size.pop(identifier)
+            if users:
+                self.num_freeable_slots += size
+            else:
+                del self.freeable[identifier]
+            self.num_free_slots += size
+            for request_id in users:
+                holders = self._holders[request_id]
+                del holders[identifier]
+                if not holders:
+                    del self._holders[request_id]
 
     def get_freed_mm_hashes(self) -> list[str]:
         """Identifiers evicted since the last call, for the worker to drop;

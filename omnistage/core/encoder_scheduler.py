@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from omnistage.core.encoder_cache_manager import EncoderCacheManager
@@ -86,6 +86,7 @@ class EncoderScheduler:
         self.remote_pending: set[str] = set()
         self.remote_ready: set[str] = set()
         self._loads: dict[str, list[int]] = {}  # this pass: request id -> items to load
+        self.allocated: list[str] = []  # this pass: identifiers the worker is to encode or load
 
     # -- admission -----------------------------------------------------------
 
@@ -108,7 +109,7 @@ class EncoderScheduler:
 
     def begin_pass(self) -> None:
         self.budget_left = self.compute_budget
-        self._loads = {}
+        self._loads, self.allocated = {}, []
 
     def take_loads(self) -> dict[str, list[int]]:
         """The items committed as loads in this pass, by request."""
@@ -217,6 +218,7 @@ class EncoderScheduler:
         manager = self.manager
         for k in plan.to_encode + plan.to_load:
             manager.allocate(request, k)
+            self.allocated.append(request.mm_features[k].identifier)
         if plan.to_load:
             self._loads[request.request_id] = list(plan.to_load)
         for k in plan.same_content:
@@ -249,6 +251,13 @@ class EncoderScheduler:
     def free(self, request: Request) -> None:
         if request.mm_features:
             self.manager.free(request)
+
+    def forget_unencoded(self, held: Callable[[str], bool]) -> None:
+        """After a step: entries this pass allocated whose outputs the worker does not
+        hold (``held``) are forgotten (``EncoderCacheManager.invalidate``): a step that
+        failed, or a request that failed to join the batch, encoded nothing for them."""
+        self.manager.invalidate([i for i in self.allocated if not held(i)])
+        self.allocated = []
 
     def freed_hashes(self) -> list[str]:
         return self.manager.get_freed_mm_hashes()

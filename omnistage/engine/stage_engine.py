@@ -380,10 +380,12 @@ class StageEngine:
         try:
             runner_out = self.runner.execute_model(sched_out)
         except Exception as exc:  # noqa: BLE001 - contained: only this step's requests fail
+            self._forget_unencoded()
             logger.exception("stage %r: a step failed; failing the %d request(s) it ran", self.spec.name,
                              len(sched_out.num_scheduled_tokens))  # fmt: skip
             error = f"the engine step failed ({type(exc).__name__}: {exc})"
             return self._fail(dict.fromkeys(sched_out.num_scheduled_tokens, error))
+        self._forget_unencoded()
         failed = self._fail(runner_out.failed_req_ids) if runner_out.failed_req_ids else []
         updated = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(updated, runner_out, time.monotonic())
@@ -393,6 +395,14 @@ class StageEngine:
             remote.release_ended(self.scheduler.requests)  # what ended releases its published outputs now
         self.num_steps += 1
         return failed + outputs
+
+    def _forget_unencoded(self) -> None:
+        """Encoder-cache entries the step was to fill but did not (it failed, or the
+        item's request failed to join the batch) are forgotten, so no later request
+        takes a hit on an output that does not exist."""
+        encoder = self.scheduler.encoder
+        if encoder is not None and encoder.allocated:
+            encoder.forget_unencoded(self.runner.holds_encoder_output)
 
     def _sync_remote_encoder(self, remote: RemoteEncoderPool) -> None:
         """Before a pass: resolve the workers' finished encodes, release what

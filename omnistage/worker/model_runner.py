@@ -287,6 +287,10 @@ class ModelRunner:
         """Requests whose payload or per-token flag the runner holds (for leak checks)."""
         return len(self._payloads.keys() | self._returns_rows)
 
+    def holds_encoder_output(self, identifier: str) -> bool:
+        """Whether the encoder cache holds the output of the item with this identifier."""
+        return self.encoder_cache is not None and identifier in self.encoder_cache.encoder_outputs
+
     @property
     def num_drafter_kept(self) -> int:
         """Requests whose EAGLE head pass is owed (kept target rows; for leak checks)."""
@@ -408,10 +412,13 @@ class ModelRunner:
         if self.model_state is None:
             return StepModelInputs(step.input_ids, step.positions)
         state = self.model_state
-        # A request that failed to join the batch this step fails alone: its items are not encoded.
+        # A request that failed to join the batch this step fails alone: its items are not encoded,
+        # unless a request of the step took a hit on the same content (_adopt_orphaned_items).
         scheduled = {r: ids for r, ids in so.scheduled_encoder_inputs.items() if r not in self._failed}
         if so.remote_encoder_inputs:
             scheduled = self._load_remote_outputs(so.remote_encoder_inputs, scheduled)
+        if self._failed:
+            self._adopt_orphaned_items(so, scheduled)
         if scheduled:
             state.execute_mm_encoder(scheduled)
             self.num_encoded_items += sum(len(v) for v in scheduled.values())
@@ -426,6 +433,28 @@ class ModelRunner:
             )
             inputs.is_mm_embed = is_mm_embed
         return inputs
+
+    def _adopt_orphaned_items(self, so: SchedulerOutput, scheduled: dict[str, list[int]]) -> None:
+        """Items planned for requests that failed to join the batch, whose content a
+        request of this step also carries (it took a hit on the entry in the same pass
+        and reads it now): encoded for that request. Items no one else reads are not
+        encoded; the engine then forgets their entries."""
+        failed = {new.req_id: new.mm_features for new in so.scheduled_new_reqs if new.req_id in self._failed}
+        orphans = {
+            failed[req_id][k].identifier
+            for plan in (so.scheduled_encoder_inputs, so.remote_encoder_inputs)
+            for req_id, ids in plan.items()
+            if req_id in failed
+            for k in ids
+        }
+        features = self.encoder_cache.mm_features
+        for req_id in so.num_scheduled_tokens:
+            if not orphans:
+                break
+            for k, feature in enumerate(features.get(req_id, ())):
+                if feature.identifier in orphans:
+                    orphans.discard(feature.identifier)
+                    scheduled.setdefault(req_id, []).append(k)
 
     def _load_remote_outputs(
         self, remote: dict[str, list[int]], scheduled: dict[str, list[int]]

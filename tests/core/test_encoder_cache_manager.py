@@ -257,3 +257,23 @@ def test_compute_mm_encoder_budget():
     assert compute_mm_encoder_budget(512, {}) == (0, 0)  # text-only
     with pytest.raises(ValueError):
         compute_mm_encoder_budget(512, {"image": -1})
+
+
+def test_invalidate_forgets_entries_the_worker_does_not_hold():
+    """An entry whose output never reached the worker (its encoder run failed) is forgotten,
+    referenced or not: its rows are free, its holders lose the hold (their next window plans
+    the item again) and nothing is reported freed (the worker holds nothing to drop)."""
+    m = EncoderCacheManager(cache_size=12)
+    a, b = make_request("a", [("img1", 4), ("img2", 4)]), make_request("b", [("img1", 4)])
+    m.allocate(a, 0)
+    m.allocate(a, 1)
+    assert m.check_and_update_cache(b, 0)
+    m.free_encoder_input(a, 1)  # img2 freeable
+    m.invalidate(["img1", "img2", "never-cached"])
+    check_invariants(m)
+    assert not m.cached and m.num_free_slots == 12 and not m.get_freed_mm_hashes()
+    assert m.get_cached_input_ids(a) == set() and m.get_cached_input_ids(b) == set() and not m._holders
+    assert not m.check_and_update_cache(b, 0)  # no hit on nothing: b's item is encoded again
+    m.free(a)
+    m.free(b)
+    check_invariants(m)

@@ -379,6 +379,47 @@ def test_a_prompt_the_model_cannot_position_fails_alone(models):
     assert_encoder_clean(engine)
 
 
+def test_an_item_whose_request_failed_is_never_a_hit_on_nothing(models, monkeypatch):
+    """An image's cache entry is taken when its request is scheduled; if the request fails
+    before the image is encoded (it cannot join the batch, or the encoder run raises), no
+    request is left reading an output that does not exist: one beside it in the same step
+    with the same image, and later ones, answer as alone, and so does unrelated text."""
+    m = models["omni"]
+    same, other = (chat_prompt(m.proc, ["image", "text"], {"image": image(i)}) for i in (1, 2))
+    ref_same, ref_other = (o.outputs[0].token_ids for o in run_all(make_engine(m.loaded), [same, other], GREEDY))
+    engine = make_engine(m.loaded, block_size=4)
+
+    def answers(*requests):
+        for rid, prompt in requests:
+            engine.add_request(rid, prompt, GREEDY)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return done
+
+    marker = chat_prompt(m.proc, ["image", "text"], {"image": image(1)}, text="is <|audio_bos|> it?")
+    done = answers(("marker", marker), ("same", same), ("text", "a plain text request"))
+    assert done["marker"].outputs[0].finish_reason == "error"
+    assert done["same"].outputs[0].token_ids == ref_same and done["text"].error is None
+    assert answers(("again", same))["again"].outputs[0].token_ids == ref_same
+
+    adapter = engine.runner.mm_adapter
+    real, calls = adapter.embed_multimodal, []
+
+    def fails_once(modality, items):
+        calls.append(modality)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return real(modality, items)
+
+    monkeypatch.setattr(adapter, "embed_multimodal", fails_once)
+    assert "out of memory" in answers(("oom", other))["oom"].error
+    done = answers(("retry", other), ("text-2", "a plain text request"))
+    assert done["retry"].outputs[0].token_ids == ref_other and done["text-2"].error is None
+    assert_pool_clean(engine)
+    assert_encoder_clean(engine)
+
+
 def test_text_model_refuses_media(tiny_loaded):
     engine = make_engine(tiny_loaded("qwen3"))
     assert engine.input_modalities == {"text"}
