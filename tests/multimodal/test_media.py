@@ -70,8 +70,9 @@ def test_load_audio_pairs_and_errors():
         load_audio((np.zeros(10, dtype=np.int16), 16000), 16000)
     with pytest.raises(ValueError, match="audio item 0: the waveform is empty"):
         load_audio((np.zeros(0, dtype=np.float32), 16000), 16000)
-    with pytest.raises(ValueError, match="audio item 0: expected a positive integer sample rate"):
-        load_audio((wave_, 0), 16000)
+    for rate in (0, 16000.5, float("nan"), 10**10):  # a huge rate would build a resampler as large
+        with pytest.raises(ValueError, match=r"audio item 0: expected an integer sample rate in 1\.\.768000 Hz"):
+            load_audio((wave_, rate), 16000)
     with pytest.raises(ValueError, match=r"audio item 0: expected a \(waveform, sample_rate\) pair"):
         load_audio(wave_, 16000)
     with pytest.raises(ValueError, match="NaN"):
@@ -142,8 +143,9 @@ def test_load_video_forms_and_errors():
         load_video(np.zeros((2, 3, 8, 10, 3), dtype=np.uint8))
     with pytest.raises(ValueError, match="video item 0: frames differ in size"):
         load_video([Image.new("RGB", (10, 8)), Image.new("RGB", (8, 8))])
-    with pytest.raises(ValueError, match="video item 0: metadata fps must be a positive number"):
-        load_video((frames, {"fps": 0}))
+    for fps in (0, float("nan"), float("inf")):  # NaN would reach the M-RoPE time positions
+        with pytest.raises(ValueError, match="video item 0: metadata fps must be a positive finite number"):
+            load_video((frames, {"fps": fps}))
     with pytest.raises(ValueError, match="video item 0: the video is empty"):
         load_video(np.zeros((0, 8, 10, 3), dtype=np.uint8))
 

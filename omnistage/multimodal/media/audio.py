@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from omnistage.multimodal.media.source import OFFLINE, MediaError, MediaLimits, decode_base64, read_media_bytes
-from omnistage.multimodal.media.wav import DecodedAudio, decode_wav
+from omnistage.multimodal.media.wav import MAX_SAMPLE_RATE, DecodedAudio, decode_wav
 
 __all__ = ["decode_input_audio", "load_audio", "resample_audio"]
 
@@ -84,8 +84,10 @@ def _waveform_pair(source: tuple[Any, Any] | list[Any], where: str) -> tuple[np.
         )
     if not np.issubdtype(waveform.dtype, np.floating):
         raise MediaError(where, f"expected float samples in [-1, 1], got dtype {waveform.dtype}", "invalid_audio")
-    if sr <= 0 or sr != int(sr):
-        raise MediaError(where, f"expected a positive integer sample rate, got {sr}", "invalid_audio")
+    if not 0 < sr <= MAX_SAMPLE_RATE or sr != int(sr):  # NaN fails the first test
+        raise MediaError(
+            where, f"expected an integer sample rate in 1..{MAX_SAMPLE_RATE} Hz, got {sr}", "invalid_audio"
+        )
     return waveform, int(sr)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,6 @@ def load_video(source: Any, where: str = "video item 0", limits: MediaLimits = O
             "image_too_large",
         )
     fps = metadata.get("fps")
-    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
-        raise _invalid(where, f"metadata fps must be a positive number, got {fps!r}")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < math.inf):
+        raise _invalid(where, f"metadata fps must be a positive finite number, got {fps!r}")
     return DecodedVideo(np.ascontiguousarray(array), metadata)

@@ -27,7 +27,7 @@ _FORMAT_PCM = 1
 _FORMAT_FLOAT = 3
 _FORMAT_EXTENSIBLE = 0xFFFE
 _SUPPORTED_BITS = {_FORMAT_PCM: (8, 16, 24, 32), _FORMAT_FLOAT: (32, 64)}
-_MAX_RATE = 768_000
+MAX_SAMPLE_RATE = 768_000
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def decode_wav(data: bytes, where: str = "audio item 0", limits: MediaLimits = O
             where,
             f"unsupported WAV encoding (format tag {tag}, {bits} bits); use PCM 8/16/24/32-bit or float 32/64-bit",
         )
-    if channels < 1 or not 1 <= rate <= _MAX_RATE:
+    if channels < 1 or not 1 <= rate <= MAX_SAMPLE_RATE:
         raise _invalid(where, f"invalid WAV header ({channels} channels, {rate} Hz)")
     frame_bytes = channels * bits // 8
     frames = len(payload) // frame_bytes
