@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jinja2
+
 from omnistage.multimodal.chat import split_chat_media
 from omnistage.multimodal.hashing import salt_identifier
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
@@ -151,9 +153,12 @@ class InputProcessor:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except jinja2.TemplateError as exc:  # the template refused the conversation (raise_exception, a missing key)
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
 
 def _is_token_id(t: object, vocab_size: int) -> bool:

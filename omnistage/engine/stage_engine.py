@@ -400,7 +400,7 @@ class StageEngine:
         """Encoder-cache entries the step was to fill but did not (it failed, or the
         item's request failed to join the batch) are forgotten, so no later request
         takes a hit on an output that does not exist."""
-        encoder = self.scheduler.encoder
+        encoder = getattr(self.scheduler, "encoder", None)  # a chunk stage's scheduler has none
         if encoder is not None and encoder.allocated:
             encoder.forget_unencoded(self.runner.holds_encoder_output)
 

@@ -79,11 +79,13 @@ def _serve_hooks() -> tuple[Any, Any] | None:
     return add_serve_args, serve_main
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    # Requests carry no seed of their own: the engine's --seed makes a run repeat itself.
+def _sampling_params(args: argparse.Namespace, index: int = 0) -> SamplingParams:
+    """Request ``index``'s parameters. Each request is seeded from --seed and its index, so a
+    run repeats itself even where the engine's shared generator would not: with speculation,
+    how many numbers a step draws depends on which drafts it verifies."""
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
+        ignore_eos=args.ignore_eos, seed=args.seed + index,
     )  # fmt: skip
 
 
@@ -130,7 +132,7 @@ def run_generate(args: argparse.Namespace, out: TextIO, err: TextIO = sys.stderr
     items = _read_prompts(args)
     if not items:
         raise ValueError("no prompts; pass them as arguments or with --file")
-    params = _sampling_params(args)  # fail on bad flags before loading the model
+    _sampling_params(args)  # fail on bad flags before loading the model
     _, engine = _load(args, err)
     from omnistage.entrypoints.loading import can_speak
 
@@ -145,7 +147,7 @@ def run_generate(args: argparse.Namespace, out: TextIO, err: TextIO = sys.stderr
     for i, (_, prompt) in enumerate(items):
         try:  # a bad prompt is reported on its own line; the other prompts still run
             request = engine.encode_chat([{"role": "user", "content": prompt}]) if args.chat else prompt
-            engine.add_request(str(i), request, params, **audio)
+            engine.add_request(str(i), request, _sampling_params(args, i), **audio)
         except ValueError as e:
             errors[str(i)] = str(e)
     results: dict[str, Any] = {}
@@ -228,7 +230,7 @@ def stream_answer(engine: Any, request_id: str, prompt: Any, params: SamplingPar
 
 
 def run_chat(args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextIO) -> int:
-    params = _sampling_params(args)
+    _sampling_params(args)  # fail on bad flags before loading the model
     _, engine = _load(args, err)
     interactive = stdin.isatty()
     start: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -260,7 +262,8 @@ def run_chat(args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextIO) 
             out.write("assistant> ")
             out.flush()
         try:
-            final = stream_answer(engine, f"turn-{turn}", engine.encode_chat(messages), params, out)
+            prompt = engine.encode_chat(messages)
+            final = stream_answer(engine, f"turn-{turn}", prompt, _sampling_params(args, turn), out)
         except ValueError as e:  # e.g. the conversation outgrew the context: this turn is dropped
             messages.pop()
             out.write("\n")
@@ -274,7 +277,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextIO) 
         messages.append({"role": "assistant", "content": completion.text})
         if completion.finish_reason == "length":
             used = len(completion.token_ids)
-            limit = params.max_tokens
+            limit = args.max_tokens
             err.write(f"[cut off: the answer reached the token limit ({used} tokens, --max-tokens {limit})]\n")
         if args.stats:
             ttft = final.metrics.time_to_first_token or 0.0

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from omnistage.core import spec_policy
 from omnistage.entrypoints import cli
 from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
 
@@ -55,6 +57,52 @@ def test_generate_reports_a_bad_prompt_and_runs_the_rest(model_path, tmp_path, c
     assert cli.main(["generate", "--model", model_path, "--max-tokens", "3", "--chat", "--file", str(f)]) == 0
     bad, good = _rows(capsys.readouterr().out)
     assert "messages[0].content" in bad["error"] and "got int" in bad["error"] and good["text"] is not None
+
+
+@pytest.fixture(scope="module")
+def copying_path(tmp_path_factory):
+    """A tiny checkpoint whose attention output is zeroed: a bigram model, whose texts repeat
+    themselves (so prompt lookup drafts, and sampled drafts are often kept)."""
+    path = Path(write_tiny_checkpoint("llama", tmp_path_factory.mktemp("ckpt") / "copying"))
+    for f in path.glob("*.safetensors"):
+        weights = load_file(f)
+        save_file({k: v * 0 if k.endswith("o_proj.weight") else v for k, v in weights.items()}, f)
+    return str(path)
+
+
+def test_generate_with_a_seed_repeats_itself_with_speculation(copying_path, capsys, monkeypatch):
+    """Each request is seeded from --seed and its index: a sampled run repeats itself, and,
+    since seeded verification draws once per emitted token, equals the run without
+    speculation (the engine's shared generator would draw as many numbers as drafts verified,
+    which the draft policy decides from step costs timed when the engine starts). Every
+    proposal is verified here (a free verify step for the policy)."""
+    monkeypatch.setenv("OMNISTAGE_MEASURE_STEP_COST", "0")
+    monkeypatch.setattr(spec_policy, "DEFAULT_VERIFY_COSTS", {1: ((1, 1.0), (2, 1.0))})
+    monkeypatch.setattr(spec_policy, "DEFAULT_DECODE_COSTS", ((1, 1.0), (2, 1.0)))
+    monkeypatch.setattr(spec_policy, "DEFAULT_MIN_GAIN", 0.0)
+    common = ["generate", "--model", copying_path, "--max-tokens", "24", "--temperature", "0.5", "--seed", "7",
+              "one two three one two three one two", "hello hello hello", "--ignore-eos"]  # fmt: skip
+    spec = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})]
+    runs = []
+    for extra in ([], spec, spec):
+        assert cli.main([*common, *extra]) == 0
+        runs.append([r["token_ids"] for r in _rows(capsys.readouterr().out)])
+    assert runs[0] == runs[1] == runs[2] and runs[0][0] != runs[0][1]
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_an_error_line(model_path, tmp_path, capsys):
+    """A template's own error (raise_exception, as templates refusing a system turn do) is the
+    prompt's error, not a traceback: the other prompts still run."""
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['content'] == 'no' %}{{ raise_exception('Refused by the template') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}",
+        encoding="utf-8",
+    )
+    args = ["generate", "--model", model_path, "--max-tokens", "2", "--chat", "--chat-template", str(template)]
+    assert cli.main([*args, "no", "hi"]) == 0
+    bad, good = _rows(capsys.readouterr().out)
+    assert "Refused by the template" in bad["error"] and good["text"] is not None
 
 
 def test_chat_reads_stdin_turns(model_path, monkeypatch, capsys):
