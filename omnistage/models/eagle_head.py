@@ -223,7 +223,12 @@ def load_eagle_head(
         raise ValueError(
             f"{where}: expected a folder with config.json and the head's weights"
         )
-    raw = json.loads((path / "config.json").read_text())
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{where}: config.json is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: config.json must hold a JSON object, got {type(raw).__name__}")
     archs = raw.get("architectures") or []
     if archs and not set(archs) & EAGLE_ARCHITECTURES:
         raise ValueError(f"{where}: architectures {archs} is not an EAGLE-1 head; expected one of "
@@ -254,7 +259,10 @@ def load_eagle_head(
         layer.input_layernorm = (
             torch.nn.Identity()
         )  # EAGLE-1: fc's output goes to attention unnormalized
-    missing, unexpected = layer.load_state_dict(layer_sd, strict=False)
+    try:
+        missing, unexpected = layer.load_state_dict(layer_sd, strict=False)
+    except RuntimeError as exc:  # shapes that config.json does not describe
+        raise ValueError(f"{where}: layers.0 weights do not match config.json: {exc}") from None
     missing = [k for k in missing if not k.startswith("input_layernorm")]
     if missing or unexpected:
         raise ValueError(f"{where}: layers.0 weights do not match a {layer_cls.__name__}: "

@@ -17,6 +17,8 @@ so its argmax is the target's next token.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,19 @@ def test_config_and_head_errors_name_the_problem(targets, tmp_path):
     (other / "config.json").write_text(text)
     with pytest.raises(ValueError, match="hidden_size 96 differs from the target's 64"):
         make_engine(loaded, speculative_config=_eagle(str(other)))
+    # A config.json that is not JSON, and one whose layer sizes its weights do not have.
+    for name, config in (("broken", "{not json"), ("narrow", _with_intermediate_size(head, 8))):
+        bad = tmp_path / name
+        shutil.copytree(head, bad)
+        (bad / "config.json").write_text(config)
+        expected = "config.json is not valid JSON" if name == "broken" else "layers.0 weights do not match config.json"
+        with pytest.raises(ValueError, match=f"EAGLE head .*{name}.*: {expected}"):
+            make_engine(loaded, speculative_config=_eagle(str(bad)))
+
+
+def _with_intermediate_size(head: str, size: int) -> str:
+    config = json.loads((Path(head) / "config.json").read_text())
+    return json.dumps({**config, "intermediate_size": size})
 
 
 def test_take_worker_drafts_cuts_at_k_and_placeholders():
