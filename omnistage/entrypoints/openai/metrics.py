@@ -3,7 +3,10 @@
 Counters and the latency histograms are updated by the serving code on the
 event loop thread (one writer, so no locks). Gauges that describe the engine
 (KV-cache usage, running/waiting requests, cache hit rates) are read from
-``engine.get_stats()`` at scrape time, so they are never stale.
+``engine.get_stats()`` at scrape time; a scrape that cannot read them (the
+engine busy past the timeout, or down) shows the last ones read, and the
+engine's counters never go back, not even across a rebuilt engine
+(``EngineCounters``).
 
 Names follow vLLM's where vLLM has the metric (``vllm:e2e_request_latency_seconds``
 is ``omnistage:e2e_request_latency_seconds`` here), so its dashboards port by
@@ -19,6 +22,7 @@ import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any
 
 from omnistage.outputs import RequestOutput
@@ -81,10 +85,49 @@ class Histogram:
         self.n += 1
 
 
+class EngineCounters:
+    """The engine's stats as /metrics shows them, so a scraper never sees a counter go back:
+
+    - a scrape that gets no stats (the engine busy past the timeout, dead, or
+      being rebuilt) shows the last ones read, gauges included, instead of zeros;
+    - a rebuilt engine's counters restart at 0: each ``*_total`` counter adds what
+      the engines before it had counted."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, Any] = {}
+        self._raw: dict[str, Any] = {}  # the last engine's own counts
+        self._base: dict[str, Any] = {}  # what earlier engines counted
+
+    def update(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """``stats`` (``normalize_engine_stats``; empty: none could be read) as rendered."""
+        if not stats:
+            return self.last
+        out = dict(stats)
+        for name, value in stats.items():
+            if name == PER_POS:
+                value, raw, base = list(value), list(self._raw.get(name, ())), list(self._base.get(name, ()))
+                restarted = any(v < r for v, r in zip(value, raw)) or len(value) < len(raw)
+                if restarted:
+                    base = [a + b for a, b in zip_longest(base, raw, fillvalue=0.0)]
+                out[name] = tuple(a + b for a, b in zip_longest(value, base, fillvalue=0.0))
+            elif name.endswith("_total") and name != "kv_cache_blocks_total":
+                raw, base = self._raw.get(name, 0.0), self._base.get(name, 0.0)
+                if value < raw:
+                    base += raw
+                out[name] = value + base
+            else:
+                continue
+            self._base[name] = base
+            self._raw[name] = value
+        self.last = out
+        return out
+
+
 class ServerMetrics:
     """What the server counts itself; engine gauges are passed in at render time."""
 
     def __init__(self) -> None:
+        self.engine = EngineCounters()
         self.requests: dict[tuple[tuple[str, str], ...], int] = defaultdict(int)
         self.finish_reasons: dict[str, int] = defaultdict(int)
         self.prompt_tokens = 0
@@ -128,6 +171,7 @@ class ServerMetrics:
         """The exposition text; ``replicas`` (``replica_loads``) adds one sample per
         data-parallel replica to each ``replica_*`` metric, labelled ``replica``."""
         lines: list[str] = []
+        engine_stats = self.engine.update(engine_stats)
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, tuple, float]]) -> None:
             full = f"{PREFIX}{name}"

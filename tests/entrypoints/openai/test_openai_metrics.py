@@ -58,6 +58,28 @@ def test_render() -> None:
     assert "# TYPE omnistage:time_to_first_token_seconds histogram" in text
 
 
+def test_engine_counters_never_go_back() -> None:
+    """A scrape without engine stats (busy past the timeout, or down) shows the last ones read,
+    and a rebuilt engine's counters, restarting at 0, add to what the old one had counted."""
+    m = ServerMetrics()
+    first = {"num_draft_tokens": 40, "num_accepted_tokens": 30, "num_accepted_tokens_per_pos": (20, 10)}
+    s = metric_samples(m.render(normalize_engine_stats({**vars(_Stats()), **first})))
+    hits, accepted = "omnistage:prefix_cache_hits_total", "omnistage:spec_decode_num_accepted_tokens_total"
+    pos1 = 'omnistage:spec_decode_num_accepted_tokens_per_pos_total{position="1"}'
+    assert (s[hits], s[accepted], s[pos1], s["omnistage:num_requests_running"]) == (25, 30, 10, 2)
+    busy = metric_samples(m.render(normalize_engine_stats(None)))
+    assert (busy[hits], busy[accepted], busy[pos1], busy["omnistage:num_requests_running"]) == (25, 30, 10, 2)
+    rebuilt = {"prefix_cache_hit_tokens": 5, "num_accepted_tokens": 3, "num_accepted_tokens_per_pos": (2, 1)}
+    s = metric_samples(m.render(normalize_engine_stats(rebuilt)))
+    assert (s[hits], s[accepted], s[pos1], s["omnistage:num_requests_running"]) == (30, 33, 11, 0)
+    assert s["omnistage:kv_cache_blocks_total"] == 0  # a gauge, whatever its name: as read
+    later = {**rebuilt, "prefix_cache_hit_tokens": 9, "num_accepted_tokens_per_pos": (4, 1)}
+    s = metric_samples(m.render(normalize_engine_stats(later)))
+    assert (s[hits], s[pos1], s['omnistage:spec_decode_num_accepted_tokens_per_pos_total{position="0"}']) == (
+        34, 11, 24
+    )
+
+
 def _finished(arrival: float, first: float | None, finished: float | None, n_tokens: int) -> RequestOutput:
     choice = CompletionOutput(index=0, text="", token_ids=list(range(n_tokens)), finish_reason="length")
     metrics = RequestMetrics(arrival_time=arrival, first_token_time=first, finished_time=finished)
