@@ -112,7 +112,7 @@ class EngineArgs:
     enforce_eager: bool = _option(False, "always true here: no CUDA graphs are captured", _VLLM)
     enable_chunked_prefill: bool | None = _option(None, "always on here: long prompts are prefilled in chunks", _VLLM)
     trust_remote_code: bool = _option(False, "ignored: checkpoint code never runs, only built-in models", _VLLM)
-    disable_log_stats: bool = _option(False, "ignored: there is no periodic stats log to disable", _VLLM)
+    disable_log_stats: bool = _option(False, "the server logs no periodic stats line (offline use logs none)", _VLLM)
 
     def __post_init__(self) -> None:
         checks = [
@@ -157,8 +157,6 @@ class EngineArgs:
     def _warn_ignored(self) -> None:
         if self.trust_remote_code:
             _warn_once("trust_remote_code is ignored: omnistage runs its built-in models, never a checkpoint's code")
-        if self.disable_log_stats:
-            _warn_once("disable_log_stats is ignored: omnistage has no periodic stats log")
         if self.enable_chunked_prefill is False:
             _warn_once("enable_chunked_prefill=False is ignored: omnistage always prefills long prompts in chunks")
         if self.gpu_memory_utilization is not None and _device_type(self.device) != "cuda":

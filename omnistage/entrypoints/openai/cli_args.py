@@ -69,9 +69,14 @@ def server_options_from(args: argparse.Namespace) -> Any:
         max_image_pixels=args.max_image_pixels,
         max_audio_seconds=args.max_audio_seconds,
         talker_params={"max_tokens": args.talker_max_tokens} if getattr(args, "talker_max_tokens", None) else None,
-        stats_log_interval_s=getattr(args, "stats_log_interval", 10.0),
+        stats_log_interval_s=_stats_log_interval(args),
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
     )
+
+
+def _stats_log_interval(args: argparse.Namespace) -> float:
+    """--stats-log-interval, or 0 (no stats line) with vLLM's --disable-log-stats."""
+    return 0.0 if getattr(args, "disable_log_stats", False) else getattr(args, "stats_log_interval", 10.0)
 
 
 def serve_main(args: argparse.Namespace, err: TextIO | None = None) -> None:

@@ -216,4 +216,6 @@ def test_stats_interval_flag() -> None:
 
     assert server_options_from(make_arg_parser().parse_args([])).stats_log_interval_s == 10.0
     assert server_options_from(make_arg_parser().parse_args(["--stats-log-interval", "2.5"])).stats_log_interval_s == 2.5
+    # vLLM's --disable-log-stats turns the line off.
+    assert server_options_from(make_arg_parser().parse_args(["--disable-log-stats"])).stats_log_interval_s == 0
     assert server_options_from(make_arg_parser().parse_args(["--stats-log-interval", "0"])).stats_log_interval_s == 0
