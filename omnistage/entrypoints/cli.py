@@ -165,6 +165,8 @@ def run_generate(args: argparse.Namespace, out: TextIO, err: TextIO = sys.stderr
         c = o.outputs[0]
         row = {"id": rid, "prompt": prompt, "text": c.text, "token_ids": c.token_ids,
                "finish_reason": c.finish_reason, "num_cached_tokens": o.num_cached_tokens}  # fmt: skip
+        if o.error is not None:  # it failed in the engine (a failed step): what it had so far, and why
+            row["error"] = o.error
         if audio_dir is not None and o.audio is not None:
             from omnistage.multimodal.media import write_wav
 

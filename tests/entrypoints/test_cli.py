@@ -105,6 +105,23 @@ def test_a_chat_template_that_refuses_the_conversation_is_an_error_line(model_pa
     assert "Refused by the template" in bad["error"] and good["text"] is not None
 
 
+def test_generate_row_of_a_request_that_failed_in_the_engine_says_why(model_path, monkeypatch, capsys):
+    from omnistage.worker.model_runner import ModelRunner
+
+    real, calls = ModelRunner.execute_model, []
+
+    def fails_second_step(self, so):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated kernel failure")
+        return real(self, so)
+
+    monkeypatch.setattr(ModelRunner, "execute_model", fails_second_step)
+    assert cli.main(["generate", "--model", model_path, "--max-tokens", "4", "--ignore-eos", "hello there"]) == 0
+    (row,) = _rows(capsys.readouterr().out)
+    assert row["finish_reason"] == "error" and "simulated kernel failure" in row["error"]
+
+
 def test_chat_reads_stdin_turns(model_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello world!\n\nwhat is the capital of france?\n"))
     args = ["chat", "--model", model_path, "--max-tokens", "6", "--block-size", "4", "--stats", "--temperature", "0"]

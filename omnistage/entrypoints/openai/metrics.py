@@ -185,8 +185,8 @@ class ServerMetrics:
             [("", k, v) for k, v in sorted(self.requests.items())],
         )
         metric(
-            "request_finish_reason_total", "counter", "Finished completions (choices) by finish reason.",
-            [("", (("reason", r),), v) for r, v in sorted(self.finish_reasons.items())],
+            "request_success_total", "counter", "Finished completions (choices) by finish reason (vLLM's name).",
+            [("", (("finished_reason", r),), v) for r, v in sorted(self.finish_reasons.items())],
         )
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", (), self.prompt_tokens)])
         metric("generation_tokens_total", "counter", "Tokens generated.", [("", (), self.generation_tokens)])

@@ -47,6 +47,7 @@ def test_render() -> None:
     assert s['omnistage:requests_total{endpoint="chat",outcome="success"}'] == 2
     assert s['omnistage:requests_total{endpoint="completions",outcome="client_error"}'] == 1
     assert s["omnistage:prompt_tokens_total"] == 10 and s["omnistage:generation_tokens_total"] == 4
+    assert s['omnistage:request_success_total{finished_reason="length"}'] == 1  # vLLM's name and label
     assert s['omnistage:time_to_first_token_seconds_bucket{le="0.025"}'] == 0
     assert s['omnistage:time_to_first_token_seconds_bucket{le="0.05"}'] == 1
     assert s['omnistage:time_to_first_token_seconds_bucket{le="60"}'] == 1
