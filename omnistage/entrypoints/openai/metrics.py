@@ -195,7 +195,7 @@ class ServerMetrics:
             [("", (), self.cached_prompt_tokens)],
         )
         metric(
-            "time_to_first_token_seconds", "histogram", "Time from request arrival to its first token.",
+            "time_to_first_token_seconds", "histogram", "Time from an HTTP request's arrival to each prompt's first token.",
             self.ttft.samples(),
         )
         metric(

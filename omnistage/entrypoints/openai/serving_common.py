@@ -288,16 +288,17 @@ def record_finished(ctx: ServingContext, endpoint: str, outputs: list[RequestOut
 
 
 class TTFTClock:
-    """Server-side time to first token: from reading the request to the first generated token."""
+    """Server-side time to first token: from reading the HTTP request to each of its prompts'
+    first generated token (one sample per prompt, as the latency histograms count)."""
 
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
         self.start = time.monotonic()
-        self.seen = False
+        self.seen: set[str] = set()
 
     def saw(self, output: RequestOutput) -> None:
-        if not self.seen and any(c.token_ids for c in output.outputs):
-            self.seen = True
+        if output.request_id not in self.seen and any(c.token_ids for c in output.outputs):
+            self.seen.add(output.request_id)
             self.ctx.metrics.record_ttft(time.monotonic() - self.start)
 
 

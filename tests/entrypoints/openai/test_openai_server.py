@@ -9,7 +9,7 @@ import importlib.util
 import httpx
 import openai
 import pytest
-from oai_helpers import Server, png_bytes, png_data_url, start_server
+from oai_helpers import Server, metric_samples, png_bytes, png_data_url, start_server
 
 MSG = [{"role": "user", "content": "what is the capital of france?"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
@@ -29,6 +29,12 @@ def test_health_models_and_metrics(server: Server, client: openai.OpenAI, http: 
     assert 'omnistage:requests_total{endpoint="chat",outcome="success"}' in text
     assert "omnistage:time_to_first_token_seconds_count" in text
     assert "omnistage:kv_cache_usage_perc" in text and "omnistage:encoder_cache_hit_rate 0" in text
+    # One time-to-first-token sample per prompt, as the end-to-end latencies count them.
+    before = metric_samples(http.get("/metrics").text)
+    client.completions.create(model=server.model, prompt=["one", "two"], **GREEDY)
+    after = metric_samples(http.get("/metrics").text)
+    ttft, e2e = "omnistage:time_to_first_token_seconds_count", "omnistage:e2e_request_latency_seconds_count"
+    assert after[ttft] - before[ttft] == after[e2e] - before[e2e] == 2
 
 
 def test_chat_sync_and_stream_agree(server: Server, client: openai.OpenAI) -> None:
