@@ -195,8 +195,8 @@ class ServerMetrics:
             [("", (), self.cached_prompt_tokens)],
         )
         metric(
-            "time_to_first_token_seconds", "histogram", "Time from an HTTP request's arrival to each prompt's first token.",
-            self.ttft.samples(),
+            "time_to_first_token_seconds", "histogram",
+            "Time from an HTTP request's arrival to each prompt's first token.", self.ttft.samples(),
         )
         metric(
             "e2e_request_latency_seconds", "histogram", "Time from a prompt's arrival in the engine to its last token.",
