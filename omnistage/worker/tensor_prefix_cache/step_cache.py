@@ -22,7 +22,8 @@ class StepTensorCache:
     Policy (on top of ``OmniTensorPrefixCache``'s):
 
     - **Sized from the KV pool.** One row per KV slot (``num_kv_blocks *
-      block_size``), ``hidden_size`` wide, in the model's dtype. A KV block and
+      block_size``), ``hidden_size`` wide (one column for a stage whose
+      policy caches no hidden states), in the model's dtype. A KV block and
       its rows share one block id, so they are evicted and reused together.
     - **Written for every forwarded token, every step**, whichever request it
       belongs to: any full block can later be hit by a request that needs rows.
@@ -47,7 +48,10 @@ class StepTensorCache:
             raise ValueError("StepTensorCache: the policy caches nothing; build no cache for such a model")
         self.policy = policy
         self.block_size = block_size
-        self.cache = OmniTensorPrefixCache(num_blocks, block_size, hidden_size, dtype)
+        # A stage that hands no hidden states on (a talker: deferred codes only) never writes
+        # the hidden rows; the cache's layout has them, one column wide then, not hidden_size.
+        width = hidden_size if policy.full_prefix_hidden else 1
+        self.cache = OmniTensorPrefixCache(num_blocks, block_size, width, dtype)
         self._hits: dict[str, int] = {}  # this step's hit requests -> cached rows they get
         self.num_hit_requests = 0  # merged hits, and the rows they took from the cache
         self.num_hit_rows = 0

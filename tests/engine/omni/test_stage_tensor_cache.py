@@ -138,6 +138,9 @@ def test_deferred_rows_of_aborted_or_preempted_requests_are_discarded(how: str) 
 def test_memory_is_rows_plus_flags() -> None:
     r = Runner(num_blocks=10, hidden=6)
     assert r.cache.nbytes == 10 * BS * 6 * 4 + 10 * BS
+    # A stage that hands no hidden states on (deferred keys only) keeps no hidden_size-wide rows.
+    deferred_only = Runner(TensorCachePolicy(deferred_keys=frozenset({"codes"})), num_blocks=10, hidden=6)
+    assert deferred_only.cache.nbytes == 10 * BS * 1 * 4 + 10 * BS
 
 
 def test_thinker_runner_stages_and_commits_a_models_deferred_outputs(omni_model) -> None:
