@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +111,7 @@ class SamplingParams:
         Safe to call again on an instance that was changed after
         construction; the worker does so before a request gets a batch row.
         """
-        seed_max = SEED_MAX - (self.n - 1 if _int_in(self.n, 1, MAX_N) else 0)
+        seed_max = SEED_MAX - (int(self.n) - 1 if _int_in(self.n, 1, MAX_N) else 0)
         checks = [
             ("n", _int_in(self.n, 1, MAX_N), f"an integer in [1, {MAX_N}]"),
             ("temperature", _float_in(self.temperature, 0.0, FLOAT32_MAX), "a finite float >= 0"),
@@ -129,6 +129,9 @@ class SamplingParams:
                 f"None or an integer in [1, {INT32_MAX}]",
             ),
             ("min_tokens", _int_in(self.min_tokens, 0, INT32_MAX), f"an integer in [0, {INT32_MAX}]"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "a bool"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "a bool"),
             (
                 "logprobs",
                 self.logprobs is None or _int_in(self.logprobs, 0, INT32_MAX),
@@ -162,11 +165,14 @@ class SamplingParams:
                 f"SamplingParams.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
 
-    def check_vocab(self, vocab_size: int) -> None:
+    def check_vocab(self, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         """Raise ``ValueError`` for the limits that depend on the model's vocabulary.
 
         ``top_k`` past the vocabulary keeps every token and out-of-vocabulary
-        stop or suppressed ids never match, so only these are refused.
+        stop or suppressed ids never match, so only these are refused: logprobs
+        past the vocabulary, and token rules that leave no token to sample (the
+        allowed ids all suppressed; with ``min_tokens``, which keeps the model's
+        ``eos_token_ids`` and the stop ids from its first tokens, those too).
         """
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"SamplingParams.logprobs ({self.logprobs}) exceeds the vocabulary size {vocab_size}")
@@ -180,6 +186,18 @@ class SamplingParams:
             if not set(self.allowed_token_ids) - set(self.suppress_token_ids):
                 raise ValueError(
                     "SamplingParams.allowed_token_ids are all in suppress_token_ids: no token could be sampled"
+                )
+        if self.min_tokens > 0:
+            banned = set(self.suppress_token_ids) | set(self.stop_token_ids)
+            banned |= set() if self.ignore_eos else set(eos_token_ids)
+            if self.allowed_token_ids is not None:
+                left = bool(set(self.allowed_token_ids) - banned)
+            else:
+                left = len({t for t in banned if t < vocab_size}) < vocab_size
+            if not left:
+                raise ValueError(
+                    f"SamplingParams.min_tokens ({self.min_tokens}) keeps the end-of-sequence and stop tokens from "
+                    "the first tokens, and the token rules (allowed_token_ids / suppress_token_ids) allow no other"
                 )
 
     @property

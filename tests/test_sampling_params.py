@@ -31,10 +31,13 @@ BAD = {
     "stop_token_ids": [[-1], [INT32_MAX + 1], [HUGE], [1.0], ["3"], 3, "3"],
     "suppress_token_ids": [[-1], [HUGE], [2.5], 1],
     "allowed_token_ids": [[], [-1], [HUGE], [0.5], 2],
+    "ignore_eos": ["false", 1, None],
+    "include_stop_str_in_output": ["yes", 0],
+    "skip_special_tokens": ["no", None],
 }
 # field -> values at the edges of the ranges that must be accepted.
 GOOD = {
-    "n": [1, MAX_N],
+    "n": [1, MAX_N, np.int64(2), np.int32(1)],
     "temperature": [0.0, 1e-6, 2.0, 1e30],
     "top_p": [1e-9, 1.0],
     "top_k": [-1, 0, 1, INT32_MAX],
@@ -65,12 +68,9 @@ def test_values_at_the_edges_are_accepted_and_fit_the_sampler(field, value):
     SamplingState(2, 8, [0], torch.device("cpu")).set_row(1, params)
 
 
-def test_every_numeric_field_is_bounded():
-    """A new numeric field must get its bounds (and a line in BAD)."""
-    numeric = {f.name for f in dataclasses.fields(SamplingParams)} - {
-        "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-    }  # fmt: skip
-    assert numeric == set(BAD)
+def test_every_field_is_checked():
+    """A new field must get its check (and a line in BAD)."""
+    assert {f.name for f in dataclasses.fields(SamplingParams)} == set(BAD)
 
 
 def test_defect_1_values_past_64_bits_never_reach_the_sampler():
@@ -106,6 +106,19 @@ def test_check_vocab():
         SamplingParams(logprobs=9).check_vocab(8)
     with pytest.raises(ValueError, match=r"^SamplingParams\.allowed_token_ids .*\[8\]"):
         SamplingParams(allowed_token_ids=[1, 8]).check_vocab(8)
+    # min_tokens keeps EOS (id 2 here) and the stop ids from the first tokens: rules that leave
+    # nothing else to sample are refused, naming min_tokens; with ignore_eos, EOS stays allowed.
+    no_other = [
+        SamplingParams(min_tokens=3, allowed_token_ids=[2]),
+        SamplingParams(min_tokens=3, allowed_token_ids=[2, 5], stop_token_ids=[5]),
+        SamplingParams(min_tokens=3, suppress_token_ids=[0, 1, 3, 4, 5, 6, 7]),
+    ]
+    for params in no_other:
+        with pytest.raises(ValueError, match=r"^SamplingParams\.min_tokens \(3\) keeps the end-of-sequence"):
+            params.check_vocab(8, eos_token_ids=[2])
+    SamplingParams(min_tokens=3, allowed_token_ids=[2], ignore_eos=True).check_vocab(8, eos_token_ids=[2])
+    SamplingParams(min_tokens=3, allowed_token_ids=[2, 6]).check_vocab(8, eos_token_ids=[2])
+    SamplingParams(allowed_token_ids=[2]).check_vocab(8, eos_token_ids=[2])  # no min_tokens: EOS may come first
 
 
 def test_normalisation():

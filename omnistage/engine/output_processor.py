@@ -68,9 +68,9 @@ class CompletionState:
         if ended:
             num_new += len(self.detok.flush())
         text = self.detok.text
-        # min_tokens holds back stop strings too, as it holds back stop tokens (vLLM's rule:
-        # text from the min_tokens-th token on is searched).
-        if self.stop and num_new and len(self.detok.token_ids) >= self.min_tokens:
+        # min_tokens holds back stop strings too, as it holds back stop tokens (vLLM's rule: a stop
+        # string is looked for from the token after the first min_tokens on).
+        if self.stop and num_new and len(self.detok.token_ids) > self.min_tokens:
             hit = find_stop_string(text, num_new, self.stop)
             if hit is not None:
                 stop, idx = hit

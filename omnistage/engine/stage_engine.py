@@ -286,7 +286,7 @@ class StageEngine:
             )
         if self.vocab_size:  # logprobs and allowed ids within the model's vocabulary
             try:
-                params.check_vocab(self.vocab_size)
+                params.check_vocab(self.vocab_size, self.eos_token_ids)
             except ValueError as exc:
                 raise ValueError(f"request {request_id!r}: {exc}") from None
         if return_hidden_states and params.n != 1:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def flat_ranges(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +129,9 @@ def apply_penalties(
     in_output = output_counts > 0
     if repetition is not None:
         p = repetition.unsqueeze(1)
-        penalized = torch.where(logits < 0, logits * p, logits / p)
+        # Divided by a tiny penalty a logit can pass float32's range: +inf would make the row's
+        # softmax NaN, so it stops at the largest finite value (still the likeliest token).
+        penalized = torch.where(logits < 0, logits * p, (logits / p).clamp_(max=_FLOAT32_MAX))
         logits = torch.where(prompt_mask | in_output, penalized, logits)
     if frequency is not None:
         logits = logits - frequency.unsqueeze(1) * output_counts

@@ -153,7 +153,9 @@ def draw_rows(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ids = torch.searchsorted(cum, u.unsqueeze(1) * total, right=True)
     # u * total rounds up to the total once in about 2^53 draws: then the last token with weight,
     # the first whose cumulative weight reaches the total (a binary search, not another pass).
-    return torch.minimum(ids, torch.searchsorted(cum, total)).squeeze(1)
+    # A row with no weight at all (NaN logits from the model) would get the id past the
+    # vocabulary, which fails the whole batch's next step: its last token instead.
+    return torch.minimum(ids, torch.searchsorted(cum, total)).clamp_(max=weights.shape[-1] - 1).squeeze(1)
 
 
 # The first top-p window: most rows' nucleus (p <= 0.95, temperature <= 1) lies in their few hundred

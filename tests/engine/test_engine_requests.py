@@ -161,11 +161,14 @@ def test_min_tokens_holds_back_stop_strings(engine):
         if stop is not None:
             break
     assert stop is not None and n + 2 <= GREEDY.max_tokens
-    unheld, held = run_all(
-        engine, [PROMPTS[3]] * 2,
-        [dataclasses.replace(GREEDY, stop=[stop]), dataclasses.replace(GREEDY, stop=[stop], min_tokens=n + 2)],
+    unheld, at_min, held = run_all(
+        engine, [PROMPTS[3]] * 3,
+        [dataclasses.replace(GREEDY, stop=[stop], min_tokens=m) for m in (0, n, n + 2)],
     )  # fmt: skip
     assert len(unheld.outputs[0].token_ids) == n and unheld.outputs[0].finish_reason == "stop"
+    # The n-th token's stop string is held back by min_tokens=n too: stops count after the first n tokens.
+    got = at_min.outputs[0].token_ids
+    assert len(got) > n and got == full.token_ids[: len(got)]
     got = held.outputs[0].token_ids
     assert len(got) >= n + 2 and got == full.token_ids[: len(got)]
     assert_pool_clean(engine)

@@ -13,7 +13,7 @@ from transformers import RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsP
 
 from omnistage.sampling_params import SamplingParams
 from omnistage.worker.input_batch import InputBatch
-from omnistage.worker.penalties import TokenHistory
+from omnistage.worker.penalties import TokenHistory, apply_penalties
 from omnistage.worker.sampler import Sampler, SamplingMetadata, SamplingState
 
 V = 64
@@ -295,3 +295,13 @@ def test_verify_rows_read_the_drafts_before_their_position():
     again = b.state.metadata(b.batch, np.array([b.batch.req_id_to_index["rep"]]), ["rep"])
     ref = _reference(logits[0], b.prompts["rep"], b.outputs["rep"], params["rep"])
     assert torch.equal(_rules(logits[:1], again)[0], ref)
+
+
+def test_a_tiny_repetition_penalty_keeps_the_logits_finite():
+    """Dividing a seen token's logit by a penalty near float32's smallest would pass its range: the
+    logit stops at the largest finite value, so the row's softmax stays a distribution."""
+    logits = torch.tensor([[30.0, 1.0, -2.0]])
+    seen = torch.tensor([[True, False, True]])
+    out = apply_penalties(logits, torch.zeros(1, 3), seen, torch.tensor([1e-38]), None, None)
+    assert torch.isfinite(out[0, :2]).all() and out[0, 0] == torch.finfo(torch.float32).max
+    assert torch.softmax(out, dim=-1)[0, 0] == 1.0

@@ -191,3 +191,6 @@ def test_a_draw_follows_the_weights_and_never_takes_a_zero_one():
     edge = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)  # the ends of [0, 1)
     assert draw_rows(weights, edge).tolist() == [1, 0]
     assert draw_rows(weights[:1], torch.tensor([1.0], dtype=torch.float64)).tolist() == [4]  # u * total = total
+    # A row without weight (NaN logits) still gets an id inside the vocabulary: the batch's next step runs.
+    nan = torch.full((1, 6), float("nan"))
+    assert 0 <= draw_rows(nan, torch.tensor([0.5], dtype=torch.float64)).item() < 6

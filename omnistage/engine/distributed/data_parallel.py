@@ -199,7 +199,7 @@ class DataParallelEngine:
             kind = type(params).__name__
             raise ValueError(f"request {request_id!r}: sampling_params must be SamplingParams, got {kind}")
         try:
-            params.check_vocab(self.vocab_size)
+            params.check_vocab(self.vocab_size, self._front.eos_token_ids)
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: {exc}") from None
         inputs = self.process_inputs(request_id, prompt)

@@ -26,6 +26,7 @@ class EngineFront:
     num_kv_blocks: int  # per replica
     max_model_len: int
     vocab_size: int
+    eos_token_ids: tuple[int, ...]
     input_modalities: frozenset[str]
     output_modalities: frozenset[str]
     voices: tuple[str, ...]
@@ -42,6 +43,7 @@ class EngineFront:
             num_kv_blocks=stage.num_kv_blocks,
             max_model_len=stage.max_model_len,
             vocab_size=stage.vocab_size,
+            eos_token_ids=tuple(stage.eos_token_ids),
             input_modalities=frozenset(engine.input_modalities),
             output_modalities=frozenset(engine.output_modalities),
             voices=tuple(engine.voices),
