@@ -43,6 +43,10 @@ class ChunkedVocoder(Protocol):
     - ``decode_chunk(codes, index, state, last)``: the samples (1-D float32)
       of chunk ``index``, given every code so far; ``last`` says the codes are
       final and this chunk ends them. Chunks are asked for in order, each once.
+
+    A vocoder that embeds codes from a fixed codebook may also declare
+    ``codebook_size``: the pipeline then fails a request whose codes fall
+    outside ``[0, codebook_size)`` before they reach a (batched) decode.
     """
 
     sample_rate: int

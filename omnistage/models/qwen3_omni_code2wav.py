@@ -54,6 +54,7 @@ class Qwen3OmniCode2Wav:
         self.module = code2wav
         cfg = code2wav.config
         self.num_quantizers = int(cfg.num_quantizers)
+        self.codebook_size = int(cfg.codebook_size)  # codes are in [0, codebook_size) in every group
         self.samples_per_frame = int(code2wav.total_upsample)
         self.trim = self._trim(cfg)
         self.receptive_frames = self._receptive_frames(cfg)
@@ -127,12 +128,18 @@ class Qwen3OmniCode2Wav:
         return wav.clamp(min=-1, max=1)[:, 0].float()
 
     def _as_tensor(self, codes: Any) -> torch.Tensor:
-        t = torch.as_tensor(np.asarray(codes), dtype=torch.long, device=self.device)
-        if t.ndim != 2 or t.shape[0] != self.num_quantizers:
+        """``[Q, N]`` codes on the device; codes past the codebook are refused (checked on the host)."""
+        a = np.asarray(codes)
+        if a.ndim != 2 or a.shape[0] != self.num_quantizers:
             raise ValueError(
-                f"code2wav: expected codes [{self.num_quantizers}, frames], got {tuple(t.shape)}"
+                f"code2wav: expected codes [{self.num_quantizers}, frames], got {tuple(a.shape)}"
             )
-        return t
+        # Past the codebook a code would read another group's embedding (code_offset) or none.
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= self.codebook_size):
+            raise ValueError(
+                f"code2wav: codes must be in [0, {self.codebook_size}), got {int(a.min())}..{int(a.max())}"
+            )
+        return torch.as_tensor(a, dtype=torch.long, device=self.device)
 
     def decode(self, codes: Any) -> np.ndarray:
         """The full decode of ``[Q, N]`` codes: ``num_samples(N)`` float32 samples."""

@@ -18,7 +18,9 @@ the thinker's width (``per_token_outputs``):
 
 transformers' ``generate`` never reads the other tensor at a position, so
 one row per token is the whole hand-off. The layer output is captured by a
-forward hook during the step's own forward, so it costs no extra compute.
+forward hook during the step's own forward, so it costs no extra compute; it
+is let go once ``per_token_outputs`` read it (or when the next step begins,
+for a step that returned no rows), so no activation outlives its step.
 """
 
 from __future__ import annotations
@@ -94,10 +96,12 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
         levels = len(
             getattr(self.config.vision_config, "deepstack_visual_indexes", ()) or ()
         )
-        for level in range(min(levels, len(layers))):
+        self._deepstack_levels = min(levels, len(layers))
+        for level in range(self._deepstack_levels):
             layers[level].register_forward_hook(self._add_deepstack(level))
 
     def _capture(self, module: Any, args: Any, output: Any) -> None:
+        # Read by this step's per_token_outputs, which lets it go.
         self._accepted = output[0] if isinstance(output, tuple) else output
 
     # ------------------------------------------------------------- towers
@@ -159,6 +163,7 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
         """The step's gathered encoder rows (in the order of the ``is_mm_embed`` positions):
         find the deepstack rows of those that are image or video rows."""
         self._step_deepstack = None
+        self._accepted = None  # a capture the step before did not read: not kept past it
         if not mm_rows or is_mm_embed is None or not self._deepstack:
             return
         positions = torch.nonzero(is_mm_embed.cpu()).squeeze(1)
@@ -190,6 +195,8 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
             if step is None:
                 return None
             positions, rows = step
+            if level == self._deepstack_levels - 1:
+                self._step_deepstack = None  # the forward's last use: not kept past the step
             hidden = (output[0] if isinstance(output, tuple) else output).clone()
             hidden[0, positions] = hidden[0, positions] + rows[level].to(hidden.dtype)
             return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
@@ -229,15 +236,18 @@ class Qwen3OmniThinkerAdapter(QwenMultiModalAdapter):
     def per_token_outputs(
         self, hidden: torch.Tensor, input_ids: torch.Tensor
     ) -> torch.Tensor:
-        """``[T, hidden]`` rows the talker reads, for the step's packed tokens (see the module docstring)."""
+        """``[T, hidden]`` rows the talker reads, for the step's packed tokens (see the module docstring).
+
+        Called once per step, after its forward: the captured layer output is let go here."""
         n = input_ids.shape[0]
+        captured, self._accepted = self._accepted, None
         is_mm = torch.isin(input_ids, self._placeholders)
         if not bool(is_mm.any()):
             return self.embed_input_ids(input_ids)
         accepted = (
             hidden
-            if self._accepted is None
-            else self._accepted.reshape(-1, hidden.shape[-1])[:n]
+            if captured is None
+            else captured.reshape(-1, hidden.shape[-1])[:n]
         )
         return torch.where(
             is_mm[:, None], accepted.to(hidden.dtype), self.embed_input_ids(input_ids)

@@ -50,6 +50,7 @@ class _Pending:
     talker_state: Any = None  # the talker stage's payload (Qwen3-Omni: its frames)
     frames: list[list[int]] | None = None  # every code group of each frame the vocoder got (Qwen3-Omni)
     vocoding: bool = False  # in the vocoder stage (added once its first chunk was ready)
+    units_checked: int = 0  # the vocoder units already checked against its codebook
     audio_chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
@@ -77,6 +78,15 @@ class OmniPipeline:
     fails, ends alone: its output comes back finished with ``error`` set and
     every stage lets go of it, while the step goes on for the others.
 
+    Talker limits: a request's talker ``max_tokens`` may not exceed
+    ``talker_max_tokens``, what the talker's context was sized for: its
+    ``max_model_len`` less the longest talker prompt the thinker's context can
+    give (``talker_prompt_extra`` rows past the thinker's prompt), or the
+    default ``max_tokens`` when that is larger. A larger one is refused at
+    ``add_request`` rather than silently cut. Codes the vocoder cannot decode
+    (past its ``codebook_size``) fail their own request at the hand-off, never
+    a vocoder batch of others.
+
     Seeds: a request's seed is ``SamplingParams.seed``, or the pipeline's
     ``seed`` when that is None. It drives the talker's sampling and
     token2wav's initial noise, which is then the noise transformers draws
@@ -93,6 +103,7 @@ class OmniPipeline:
         seed: int = 0,
         sample_rate: int = 24000,
         default_speaker: str | None = None,
+        talker_prompt_extra: int = 0,
     ) -> None:
         self.stages: dict[str, StageEngine] = {"thinker": thinker}
         if talker is not None and token2wav is not None:
@@ -103,6 +114,10 @@ class OmniPipeline:
         self.seed = seed
         self.sample_rate = sample_rate
         self.default_speaker = default_speaker
+        self.talker_max_tokens: int | None = None
+        if talker is not None and default_talker_params is not None:
+            sized = talker.max_model_len - thinker.max_model_len - talker_prompt_extra
+            self.talker_max_tokens = max(default_talker_params.max_tokens, sized)
         self._pending: dict[str, _Pending] = {}
 
     # -- what the serving code reads, as of a stage engine --------------------------
@@ -191,7 +206,8 @@ class OmniPipeline:
 
         ``return_audio=None`` speaks when the checkpoint can; ``speaker=None``
         is the checkpoint's default voice; ``talker_params`` override the
-        talker's sampling for this request; ``stream_audio`` decodes its audio
+        talker's sampling for this request (``suppress_token_ids`` extend the
+        defaults'; ``max_tokens`` up to ``talker_max_tokens``); ``stream_audio`` decodes its audio
         in the vocoder's streaming chunks while the talker speaks (else one
         whole decode, which for Qwen2.5-Omni equals transformers')."""
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -216,10 +232,21 @@ class OmniPipeline:
         self._pending[request_id] = _Pending(name, bos, seed, chosen, grids, stream_audio=bool(stream_audio))
 
     def _talker_params(self, overrides: TalkerParams | dict[str, Any] | None) -> TalkerParams:
-        assert self.default_talker_params is not None
+        """The defaults with ``overrides`` (a dict or a ``TalkerParams``) in place, but for
+        ``suppress_token_ids``, which extend the defaults' (those keep the talker off codes
+        the vocoder cannot decode); a ``max_tokens`` past ``talker_max_tokens`` is refused."""
+        defaults = self.default_talker_params
+        assert defaults is not None and self.talker_max_tokens is not None
         if isinstance(overrides, TalkerParams):
-            return overrides
-        return self.default_talker_params.replace(**overrides) if overrides else self.default_talker_params
+            overrides = dataclasses.asdict(overrides)
+        params = defaults.replace(**overrides) if overrides else defaults
+        if params.max_tokens > self.talker_max_tokens:
+            raise ValueError(
+                f"talker_params.max_tokens={params.max_tokens} exceeds {self.talker_max_tokens}, what the talker's "
+                f"context (talker_max_model_len={self.stages['talker'].max_model_len}) was sized for; build the "
+                f"engine with a larger talker_params max_tokens or talker_max_model_len"
+            )
+        return params
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop requests wherever they are; their blocks, rows and queued work are freed."""
@@ -304,17 +331,9 @@ class OmniPipeline:
                 f"talker request {rid!r}: its prompt of {len(inputs.prompt_token_ids)} rows leaves no room in the "
                 f"talker's max_model_len={talker.max_model_len}"
             )
-        sampling = SamplingParams(
-            temperature=tp.temperature,
-            top_k=tp.top_k,
-            top_p=tp.top_p,
-            max_tokens=min(tp.max_tokens, room),
-            stop_token_ids=list(tp.stop_token_ids),
-            repetition_penalty=tp.repetition_penalty,
-            suppress_token_ids=list(tp.suppress_token_ids),
-            seed=pending.seed,
-        )
-        talker.add_request(rid, inputs, sampling)
+        # Room is short of max_tokens only where the operator sized the talker's context
+        # below the default max_tokens (talker_max_model_len, or the talker's positions).
+        talker.add_request(rid, inputs, tp.sampling_params(seed=pending.seed, max_tokens=min(tp.max_tokens, room)))
 
     def _talker_codes(self, out: RequestOutput, pending: _Pending) -> None:
         """Hand the talker's codes so far to the vocoder stage (adding the request
@@ -337,6 +356,7 @@ class OmniPipeline:
                 pending.frames = units
         vocoder = self.stages["token2wav"]
         rid = out.request_id
+        self._check_codebook(units, pending)
         if not pending.vocoding:
             if not out.finished and not self.vocoder_schedule(pending.stream_audio).num_ready(len(units), False):
                 return
@@ -344,6 +364,22 @@ class OmniPipeline:
             vocoder.add_request(rid, request)
             pending.vocoding = True
         vocoder.extend_request(rid, units, final=out.finished)
+
+    def _check_codebook(self, units: list[Any], pending: _Pending) -> None:
+        """Refuse codes past the vocoder's codebook (control ids the talker was let sample)
+        here, where they fail their request alone, not the vocoder's batch of requests."""
+        size = getattr(self.stages["token2wav"].loaded_model.model, "codebook_size", None)
+        if size is None:
+            return
+        for i in range(pending.units_checked, len(units)):
+            unit = units[i]
+            for code in unit if isinstance(unit, list) else (unit,):
+                if not 0 <= code < size:
+                    raise ValueError(
+                        f"the talker made code {code} (frame {i}), outside the vocoder's codebook [0, {size}); "
+                        f"talker_params.suppress_token_ids must keep the talker off such ids"
+                    )
+        pending.units_checked = len(units)
 
     def vocoder_schedule(self, stream: bool) -> ChunkSchedule:
         """The vocoder's chunk schedule for a streamed (or whole) decode."""

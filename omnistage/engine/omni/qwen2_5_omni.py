@@ -31,6 +31,9 @@ from omnistage.models.qwen2_5_omni_token2wav import Qwen2_5OmniToken2Wav
 __all__ = ["OmniOptions", "build_omni_pipeline"]
 
 TALKER_KV_CACHE_BYTES = 256 * 1024**2  # the talker's KV pool when no block count is given
+# Talker prompt rows past the thinker's prompt (speaker bos, first reply row): the talker's
+# context is sized as the thinker's plus these plus max_tokens.
+TALKER_PROMPT_EXTRA = 2
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class OmniOptions:
       with prefix caching on makes a hit raise at the hand-off;
     - ``talker_max_num_seqs``, ``talker_num_kv_blocks``, ``talker_max_model_len``:
       the talker stage's limits (default: the thinker's batch size, a 256 MiB
-      pool, the thinker's length + 2 + the talker's ``max_tokens``);
+      pool, the thinker's length + 2 + the talker's ``max_tokens``); a request's
+      talker ``max_tokens`` may not exceed what that length leaves;
     - ``token2wav_requests_per_step``: requests whose next chunk (or whole
       waveform) is decoded per pipeline step (``None``: the model's default,
       1 for Qwen2.5-Omni's per-request DiT, ``QWEN3_CODE2WAV_REQUESTS_PER_STEP``
@@ -155,7 +159,7 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
     config = omni.talker_module.config
     defaults = TalkerParams.defaults(config, **(options.talker_params or {}))
     max_len = options.talker_max_model_len or min(
-        int(config.max_position_embeddings), thinker.max_model_len + 2 + defaults.max_tokens
+        int(config.max_position_embeddings), thinker.max_model_len + TALKER_PROMPT_EXTRA + defaults.max_tokens
     )
     prep = Qwen2_5OmniTalker(omni.talker_module, omni.talker_text_rows, options.talker_match_transformers_unpadded)
     talker = build_talker_stage(
@@ -167,4 +171,7 @@ def build_omni_pipeline(args: EngineArgs, omni: OmniModel, options: OmniOptions 
         args, talker, token2wav, f"{omni.thinker.name}:token2wav", options.token2wav_requests_per_step or 1
     )
     sample_rate = int(token2wav.sample_rate)
-    return OmniPipeline(thinker, talker, vocoder, omni.speakers, defaults, seed=args.seed, sample_rate=sample_rate)
+    return OmniPipeline(
+        thinker, talker, vocoder, omni.speakers, defaults, seed=args.seed, sample_rate=sample_rate,
+        talker_prompt_extra=TALKER_PROMPT_EXTRA,
+    )  # fmt: skip

@@ -34,6 +34,9 @@ __all__ = ["QWEN3_CODE2WAV_REQUESTS_PER_STEP", "build_qwen3_omni_pipeline"]
 # right-padded forward (exact: the vocoder is causal); a chunk is at most 12 frames
 # plus its left context, so a batch stays small.
 QWEN3_CODE2WAV_REQUESTS_PER_STEP = 8
+# At most this many talker prompt rows past the thinker prompt's user turns (the codec
+# prefix, 9 rows): the talker's context is sized as the thinker's plus these plus max_tokens.
+QWEN3_TALKER_PROMPT_EXTRA = 16
 
 
 class Qwen3TalkerInputs:
@@ -79,7 +82,7 @@ def build_qwen3_omni_pipeline(
     text = tc.text_config
     max_len = options.talker_max_model_len or min(
         int(text.max_position_embeddings),
-        thinker.max_model_len + 16 + defaults.max_tokens,
+        thinker.max_model_len + QWEN3_TALKER_PROMPT_EXTRA + defaults.max_tokens,
     )
     assert omni.prep is not None and omni.code2wav is not None
     talker = build_talker_stage(
@@ -99,4 +102,5 @@ def build_qwen3_omni_pipeline(
     return OmniPipeline(
         thinker, talker, vocoder, speakers, defaults, seed=args.seed,
         sample_rate=int(omni.code2wav.sample_rate), default_speaker=DEFAULT_QWEN3_SPEAKER,
+        talker_prompt_extra=QWEN3_TALKER_PROMPT_EXTRA,
     )  # fmt: skip

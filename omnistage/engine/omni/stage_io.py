@@ -13,12 +13,14 @@ device, thread or process.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from omnistage.core.chunk_schedule import ChunkSchedule
 from omnistage.models.qwen2_5_omni_talker import ThinkerOutputForTalker
+from omnistage.sampling_params import SamplingParams
 
 __all__ = [
     "DEFAULT_SPEAKER",
@@ -76,6 +78,10 @@ class TalkerParams:
     ``temperature=0`` is greedy (``talker_do_sample=False``).
     ``repetition_penalty`` counts the talker prompt's codec ids (mask, pad,
     bos) as seen; ``suppress_token_ids`` are never sampled.
+
+    Values are checked when the parameters are built (or replaced), as the
+    talker's ``SamplingParams`` would check them, so a bad one is refused
+    before its request queues; errors name ``talker_params.<field>``.
     """
 
     temperature: float = 0.9
@@ -85,6 +91,17 @@ class TalkerParams:
     max_tokens: int = 4096  # generate()'s talker_max_new_tokens
     stop_token_ids: tuple[int, ...] = ()
     suppress_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("stop_token_ids", "suppress_token_ids"):
+            value = getattr(self, key)
+            if _is_id_list(value):
+                object.__setattr__(self, key, tuple(value))  # anything else is refused below
+        # Checked here: SamplingParams' None ("up to the context") has no meaning for the talker.
+        tokens = self.max_tokens
+        if not isinstance(tokens, numbers.Integral) or isinstance(tokens, bool) or tokens < 1:
+            raise ValueError(f"talker_params.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        self.sampling_params()
 
     @classmethod
     def defaults(cls, talker_config: Any, **overrides: Any) -> TalkerParams:
@@ -98,7 +115,10 @@ class TalkerParams:
     @classmethod
     def qwen3_defaults(cls, talker_config: Any, **overrides: Any) -> TalkerParams:
         """Qwen3-Omni ``generate()``'s talker defaults: temperature 0.9, top-k 50, top-p 1,
-        repetition penalty 1.05, stop at codec EOS, the top 1024 codec ids but EOS suppressed."""
+        repetition penalty 1.05, stop at codec EOS, the top 1024 codec ids but EOS suppressed.
+
+        Those suppressed ids are control codes past the codebook, which code2wav cannot
+        embed: ``replace`` keeps them suppressed whatever a request asks."""
         vocab, eos = int(talker_config.text_config.vocab_size), int(talker_config.codec_eos_token_id)
         base = cls(
             temperature=0.9,
@@ -110,19 +130,41 @@ class TalkerParams:
         return base.replace(**overrides)
 
     def replace(self, **overrides: Any) -> TalkerParams:
-        """These parameters with some fields replaced; unknown names and a
-        non-positive repetition penalty are refused."""
+        """These parameters with some fields replaced; unknown names and bad values are refused.
+
+        ``suppress_token_ids`` extends the suppressed ids, never replaces them: the
+        defaults suppress the codes the model must not sample (its start code, its
+        control codes), and dropping them would make codes the vocoder cannot decode."""
         names = {f.name for f in fields(self)}
         unknown = set(overrides) - names
         if unknown:
             raise ValueError(f"unknown talker parameters {sorted(unknown)}; expected some of {sorted(names)}")
-        for key in ("stop_token_ids", "suppress_token_ids"):
-            if key in overrides:
-                overrides[key] = tuple(overrides[key])
-        params = dataclasses.replace(self, **overrides)
-        if params.repetition_penalty <= 0:
-            raise ValueError(f"talker repetition_penalty must be > 0, got {params.repetition_penalty}")
-        return params
+        extra = overrides.get("suppress_token_ids")
+        if _is_id_list(extra):
+            overrides["suppress_token_ids"] = tuple(dict.fromkeys([*self.suppress_token_ids, *extra]))
+        return dataclasses.replace(self, **overrides)
+
+    def sampling_params(self, seed: int | None = None, max_tokens: int | None = None) -> SamplingParams:
+        """The talker's ``SamplingParams`` for a request (``max_tokens``: this one's, by default);
+        a ``ValueError`` names the ``talker_params`` field at fault."""
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+                stop_token_ids=self.stop_token_ids,
+                repetition_penalty=self.repetition_penalty,
+                suppress_token_ids=self.suppress_token_ids,
+                seed=seed,
+            )
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("SamplingParams.", "talker_params.", 1)) from None
+
+
+def _is_id_list(value: Any) -> bool:
+    """A collection to take as token ids (a string or a single number is not one)."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes))
 
 
 def resolve_speaker(speaker: str | None, speakers: Mapping[str, Any], default: str = DEFAULT_SPEAKER) -> str:

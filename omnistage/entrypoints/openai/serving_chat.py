@@ -35,6 +35,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from omnistage.engine.omni.stage_io import resolve_speaker
 from omnistage.entrypoints.openai.engine_client import EngineError, RequestStream
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import decode_audio, load_image
@@ -95,7 +96,7 @@ class ChatServing:
         ctx = self.ctx
         clock = TTFTClock(ctx)  # from here: parsing is done, everything after counts toward TTFT
         model = ctx.check_model(req.model)
-        self._check_modalities(req)
+        voice = self._check_modalities(req)
         self._check_unsupported(req)
         messages = await self._convert_messages(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -104,7 +105,6 @@ class ChatServing:
         # max_completion_tokens is the newer name; it wins when both are given.
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         speak = "audio" in (req.modalities or ())
-        voice = req.audio.voice if speak and req.audio else None
         audio_format = req.audio.format if req.audio else "wav"
         prompt = await self._render(messages, req)
         # The rendered ids before media placeholders expand: exact for text, a lower bound with media.
@@ -135,7 +135,9 @@ class ChatServing:
 
     # ------------------------------------------------------------------ validation
 
-    def _check_modalities(self, req: ChatCompletionRequest) -> None:
+    def _check_modalities(self, req: ChatCompletionRequest) -> str | None:
+        """Refuse output settings the model cannot honour; return the voice asked for
+        (None: the default), spelled as the model names it."""
         modalities = req.modalities or ["text"]
         missing = [m for m in modalities if m not in self.ctx.output_modalities]
         if missing:
@@ -148,19 +150,21 @@ class ChatServing:
         if req.audio is not None and "audio" not in modalities:
             raise bad_request("'audio' output settings require 'modalities' to include 'audio'", param="audio")
         if req.audio is None:
-            return
+            return None
         if req.audio.format not in AUDIO_FORMATS:
             raise bad_request(
                 f"Audio format {req.audio.format!r} is not supported; this server returns {list(AUDIO_FORMATS)}",
                 param="audio.format",
                 code="unsupported_audio_format",
             )
-        if req.audio.voice not in self.ctx.voices:
+        try:  # as offline use resolves speakers: case-insensitively
+            return resolve_speaker(req.audio.voice, dict.fromkeys(self.ctx.voices))
+        except ValueError:
             raise bad_request(
                 f"Unknown voice {req.audio.voice!r}; model {self.ctx.model_name!r} has voices {list(self.ctx.voices)}",
                 param="audio.voice",
                 code="unknown_voice",
-            )
+            ) from None
 
     @staticmethod
     def _check_unsupported(req: ChatCompletionRequest) -> None:

@@ -71,6 +71,51 @@ def test_bad_requests_raise_and_queue_nothing(llm: LLM) -> None:
     assert_nothing_held(llm)
 
 
+BAD_TALKER_PARAMS = {
+    "top_p": 1.5, "top_k": -5, "max_tokens": 0, "temperature": float("nan"), "repetition_penalty": 0.0,
+    "stop_token_ids": "ab", "suppress_token_ids": [-1],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", list(BAD_TALKER_PARAMS))
+def test_bad_talker_params_are_refused_before_the_thinker_runs(
+    llm: LLM, make_llm: Any, chelsie: Any, field: str
+) -> None:
+    """Found in review: bad talker_params were accepted, the thinker generated the whole
+    answer, and only the hand-off failed it, naming ``SamplingParams.<field>``; an engine
+    built with them failed every request that way."""
+    bad = {field: BAD_TALKER_PARAMS[field]}
+    pipeline = llm.llm_engine
+    steps = pipeline.thinker.num_steps
+    with pytest.raises(ValueError, match=rf"^talker_params\.{field} must be"):
+        pipeline.add_request("bad", PROMPT, SP, talker_params=bad)
+    assert not pipeline.has_unfinished_requests() and pipeline.thinker.num_steps == steps
+    with pytest.raises(ValueError, match=rf"^talker_params\.{field} must be"):
+        make_llm(talker_params={**GREEDY_TALKER, **bad})
+    assert_same_answer(llm.generate(PROMPT, SP)[0], chelsie)
+    assert_nothing_held(llm)
+
+
+def test_talker_max_tokens_past_the_talker_context_is_refused(make_llm: Any, chelsie: Any) -> None:
+    """Found in review: a request's talker max_tokens above what the talker's context was
+    sized for was cut at the hand-off without a word (100 asked, 64 codes, finish "length")."""
+    llm = make_llm(talker_max_model_len=None)  # sized for the default: 256 + 2 + max_tokens 8
+    pipeline = llm.llm_engine
+    assert pipeline.talker_max_tokens == GREEDY_TALKER["max_tokens"]
+    with pytest.raises(ValueError, match=r"talker_params\.max_tokens=9 exceeds 8.*talker_max_model_len=266"):
+        pipeline.add_request("long", PROMPT, SP, talker_params={"max_tokens": 9})
+    assert not pipeline.has_unfinished_requests()
+    assert_same_answer(llm.generate(PROMPT, SP, talker_params={"max_tokens": 8})[0], chelsie)
+    roomy = make_llm()  # talker_max_model_len=320 leaves 320 - 256 - 2 codes
+    assert roomy.llm_engine.talker_max_tokens == 62
+    with pytest.raises(ValueError, match=r"talker_params\.max_tokens=63 exceeds 62"):
+        roomy.generate(PROMPT, SP, talker_params={"max_tokens": 63})
+    # Up to the limit a request gets every code it asked for (no stop codes: it speaks them all).
+    out = roomy.generate(PROMPT, SP, talker_params={"max_tokens": 62, "stop_token_ids": []})[0]
+    assert out.error is None and len(out.extra["codec_token_ids"]) == 62
+    assert_nothing_held(roomy)
+
+
 def test_seeded_noise_is_transformers_noise_after_manual_seed(make_llm: Any, hf_model: Any) -> None:
     """``SamplingParams.seed`` wins over ``LLM(seed=...)``; either way the
     waveform is transformers' token2wav after ``torch.manual_seed(seed)``."""

@@ -3,6 +3,7 @@ aborts at every stage that free everything and leave other answers untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +99,45 @@ def test_a_prompt_without_an_assistant_turn_fails_alone(
     assert "no assistant turn" in (outs["bad"].error or "")
     assert outs["good"].error is None
     assert_same_answer(outs["good"], bystander_alone)
+    assert_nothing_held(llm)
+
+
+def test_suppress_token_ids_extend_the_defaults(
+    llm: LLM, bystander_alone: Any, prompts: dict
+) -> None:
+    """Found in review: a request's talker ``suppress_token_ids`` replaced the defaults,
+    which keep the talker off the control ids past the codebook; it then made codes that
+    code2wav cannot embed, and the IndexError failed the vocoder's whole batch."""
+    pipeline = llm.llm_engine
+    bos = int(pipeline.stages["talker"].loaded_model.hf_config.codec_bos_id)  # suppressed already
+    pipeline.add_request("extra", prompts["bystander"], SP, talker_params={"suppress_token_ids": [bos]})
+    pipeline.add_request("bystander", prompts["bystander"], SP)
+    outs = {o.request_id: o for o in run_until_idle(llm)}
+    for out in outs.values():
+        assert out.error is None
+        assert_same_answer(out, bystander_alone)
+    assert_nothing_held(llm)
+
+
+def test_codes_past_the_codebook_fail_their_request_alone(
+    llm: LLM, bystander_alone: Any, prompts: dict
+) -> None:
+    """Should a talker make codes past code2wav's codebook anyway, only that request
+    fails, naming the talker parameter, and not the vocoder batch it would share."""
+    pipeline = llm.llm_engine
+    defaults = pipeline.default_talker_params
+    # No request can drop the default suppressions: a talker without them stands in.
+    pipeline.default_talker_params = dataclasses.replace(defaults, suppress_token_ids=())
+    try:
+        pipeline.add_request("victim", prompts["bystander"], SP)
+    finally:
+        pipeline.default_talker_params = defaults
+    pipeline.add_request("bystander", prompts["bystander"], SP)
+    outs = {o.request_id: o for o in run_until_idle(llm)}
+    error = outs["victim"].error or ""
+    assert "'victim'" in error and "codebook" in error and "talker_params.suppress_token_ids" in error
+    assert outs["bystander"].error is None
+    assert_same_answer(outs["bystander"], bystander_alone)
     assert_nothing_held(llm)
 
 

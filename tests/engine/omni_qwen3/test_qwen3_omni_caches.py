@@ -222,3 +222,34 @@ def test_speculating_neighbour_leaves_the_talker_rows_exact(make_q3: Any) -> Non
     assert again.num_cached_tokens > 0
     assert_same_answer(again, alone)
     assert_nothing_held(llm)
+
+
+def test_thinker_keeps_no_step_tensors_between_steps(make_q3: Any) -> None:
+    """Found in review: the thinker adapter kept the last step's captured layer output
+    (``[1, tokens, hidden]``) after every request had ended. Whatever the step read it
+    (the tensor prefix cache, or a request's rows for the talker), nothing of a step
+    outlives it, and the answer is that of the same request with the cache off."""
+    from PIL import Image
+
+    picture = Image.fromarray(np.random.default_rng(3).integers(0, 255, (64, 96, 3), dtype=np.uint8))
+    prompt = {
+        "prompt": "<|im_start|>user\nlook <|vision_start|><|image_pad|><|vision_end|>what is it?<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "multi_modal_data": {"image": picture},
+    }
+    answers = []
+    for cache in (True, False):
+        llm = make_q3(enable_tensor_prefix_cache=cache, max_num_batched_tokens=16)
+        adapter = llm.llm_engine.thinker.runner.mm_adapter
+        assert adapter.accept_hidden_layer < len(adapter.language_model.layers)  # its layer output is captured
+        requests = {"speaks": True, "text-only": False} if cache else {"speaks": True}
+        for rid, audio in requests.items():
+            llm.llm_engine.add_request(rid, prompt, SP, return_audio=audio)
+        done = {}
+        while llm.llm_engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in llm.llm_engine.step() if o.finished)
+            assert adapter._accepted is None and adapter._step_deepstack is None
+        assert all(o.error is None for o in done.values())
+        answers.append(done["speaks"])
+        assert_nothing_held(llm)
+    assert_same_answer(*answers)

@@ -142,6 +142,12 @@ def test_bad_codes_are_refused(vocoder: Qwen3OmniCode2Wav, codes: np.ndarray) ->
         vocoder.decode(codes[:3])
     with pytest.raises(ValueError, match="left_context"):
         vocoder.decode_codes(codes[:, :4], left_context=5)
+    # A control id past the codebook (group 0 here) would read another group's embedding, or none.
+    for bad in (vocoder.codebook_size, -1):
+        past = codes.copy()
+        past[0, 3] = bad
+        with pytest.raises(ValueError, match=rf"codes must be in \[0, {vocoder.codebook_size}\)"):
+            vocoder.decode_batch([codes, past])
 
 
 def test_frames_streamed_while_the_talker_speaks_equal_the_final_audio(

@@ -112,3 +112,22 @@ def test_pcm16_stream_is_the_unstreamed_answer(server: tuple[ServerThread, Any])
     audio = [p for p in pieces if p.data]
     assert len(audio) >= 2 and len({p.id for p in pieces}) == 1
     assert b"".join(base64.b64decode(p.data) for p in audio) == whole
+
+
+def test_voice_names_match_case_insensitively(server: tuple[ServerThread, Any]) -> None:
+    """Found in review: the server refused ``"ethan"`` (a 400, unknown voice) where the
+    offline ``LLM`` resolves speakers case-insensitively; it is the voice ``"Ethan"``."""
+    thread, _ = server
+    body = {
+        "model": NAME, "messages": MESSAGES, "max_completion_tokens": MAX_TOKENS, "temperature": 0.0,
+        "modalities": ["text", "audio"],
+    }  # fmt: skip
+    with openai.OpenAI(base_url=thread.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        audio = {
+            voice: client.chat.completions.create(**body, audio={"voice": voice, "format": "pcm16"})
+            .choices[0].message.audio.data
+            for voice in ("Ethan", "ethan", "ETHAN", "Chelsie")
+        }
+        with pytest.raises(openai.BadRequestError, match="Unknown voice 'Nobody'"):
+            client.chat.completions.create(**body, audio={"voice": "Nobody", "format": "pcm16"})
+    assert audio["ethan"] == audio["Ethan"] == audio["ETHAN"] != audio["Chelsie"]
