@@ -95,9 +95,14 @@ def _request(loaded, drawn: dict) -> tuple[dict, SamplingParams]:
     for key in ("stop_token_ids", "suppress_token_ids", "allowed_token_ids"):
         if key in options:
             options[key] = sorted({cycle[i] for i in options[key]})
-    if "allowed_token_ids" in options and "suppress_token_ids" in options:  # one allowed token left (else refused)
-        kept = options["allowed_token_ids"][0]
-        options["suppress_token_ids"] = [t for t in options["suppress_token_ids"] if t != kept]
+    if "allowed_token_ids" in options:  # one allowed token that no rule holds back (else refused)
+        eos = set(getattr(loaded, "eos_token_ids", None) or ())
+        kept = next((t for t in options["allowed_token_ids"] if t not in eos), None)
+        if kept is None:
+            del options["allowed_token_ids"]
+        for key in ("suppress_token_ids", "stop_token_ids"):
+            if key in options:
+                options[key] = [t for t in options[key] if t != kept]
     if "stop" in options:
         options["stop"] = [loaded.tokenizer.decode([cycle[i]]).strip() or "x" for i in options["stop"]]
     options["min_tokens"] = min(options.get("min_tokens", 0), drawn["max_tokens"])
