@@ -72,6 +72,20 @@ def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
+def zero_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> None:
+    """Zero these blocks in every layer's cache (``allocate_kv_caches`` layout).
+
+    A block given to a request holds what its last owner left, and a read that
+    gathers whole blocks masks their unused tail: a NaN left there (a request
+    whose activations overflowed) would poison the new owner's output as
+    uninitialised memory would. About 0.1 ms per block over 30 layers on a CPU.
+    """
+    if block_ids and caches:
+        ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
+        for cache in caches:
+            cache.index_fill_(2, ids, 0)
+
+
 def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:

@@ -85,3 +85,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def fresh_block_ids(self, block_size: int) -> list[int]:
+        """Blocks given to requests this step that are not prefix hits: what they hold
+        belongs to a request that ended, and this step starts writing them anew."""
+        ids: list[int] = []
+        for new in self.scheduled_new_reqs:
+            ids.extend(new.block_ids[new.num_computed_tokens // block_size :])  # hits are whole blocks
+        for cached in self.scheduled_cached_reqs:
+            ids.extend(cached.new_block_ids)
+        return ids

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.attention.kv_cache import invalidate_dense_view
+from omnistage.attention.kv_cache import invalidate_dense_view, zero_blocks
 from omnistage.attention.paged_attention import (
     allocate_kv_caches,
     build_attention_metadata,
@@ -205,6 +205,9 @@ class ModelRunner:
                 self._failed[new.req_id] = f"{type(exc).__name__}: {exc}"
         for cached in so.scheduled_cached_reqs:
             batch.update_request(cached.req_id, cached.new_block_ids, cached.num_computed_tokens)
+        # What an ended request left in the blocks given out now must not reach their new owner.
+        zero_blocks(self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else []),
+                    so.fresh_block_ids(self.block_size))  # fmt: skip
         if self.tensor_cache is not None:
             self.tensor_cache.rows_added(so)
         if so.scheduled_new_reqs:

@@ -359,3 +359,38 @@ def test_vocabulary_limits_are_checked_at_admission(engine):
     with pytest.raises(ValueError, match=r"request 'c': SamplingParams\.allowed_token_ids are all in suppress_tok"):
         engine.add_request("c", PROMPTS[0], SamplingParams(allowed_token_ids=[5, 6], suppress_token_ids=[6, 5, 7]))
     assert not engine.has_unfinished_requests() and not engine.output_processor.states
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_what_an_overflowed_request_left_in_its_blocks_never_reaches_the_next_owner(tmp_path, dtype):
+    """A request whose activations overflow leaves NaN keys/values in its blocks. A request given
+    those blocks later reads whole blocks and masks their unused tail, where a NaN would still
+    win (NaN - inf is NaN): blocks are zeroed when given out, so it answers as on a fresh pool."""
+    from safetensors.torch import load_file, save_file
+
+    from omnistage.models.loader import load_model
+    from omnistage.testing.tiny_checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint("llama", tmp_path / "overflows")
+    poison, dim = 300, 5  # token `poison` alone sets residual dimension `dim`, where the MLP overflows
+    file = next(path.glob("*.safetensors"))
+    weights = load_file(file)
+    embed = weights["model.embed_tokens.weight"]
+    embed[:, dim], embed[poison] = 0, 0
+    embed[poison, dim] = 1000.0
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[dim] = 0
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            w[:, dim] = 1e20 if dtype == "float32" else 100.0
+    save_file(weights, file, metadata={"format": "pt"})
+    loaded = load_model(str(path), dtype=dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    innocent = [[10, 11, 12, 13, 14], [20, 21, 22]]
+    limits = dict(block_size=16, num_kv_blocks=8, enable_prefix_caching=False)
+    fresh = [o.outputs[0].token_ids for o in run_all(make_engine(loaded, **limits), innocent, params)]
+    engine = make_engine(loaded, **limits)
+    overflowing = [list(range(30, 45)) + [poison] + list(range(45, 60)) for _ in range(4)]
+    run_all(engine, overflowing, params, prefix="overflow-")
+    assert any(not torch.isfinite(cache).all() for cache in engine.runner.kv_caches)  # the blocks hold NaN
+    assert [o.outputs[0].token_ids for o in run_all(engine, innocent, params, prefix="after-")] == fresh

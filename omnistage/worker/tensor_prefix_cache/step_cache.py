@@ -83,15 +83,11 @@ class StepTensorCache:
 
     def rows_added(self, so: SchedulerOutput) -> None:
         """After the batch took the step's new blocks: mark hits, invalidate the rest."""
-        stale: list[int] = []
         for new in so.scheduled_new_reqs:
-            num_hit_blocks = new.num_computed_tokens // self.block_size
             if new.num_computed_tokens > 0:
                 self.cache.add_prefix_cached_new_req_id(new.req_id)
-                self._hits[new.req_id] = num_hit_blocks * self.block_size
-            stale.extend(new.block_ids[num_hit_blocks:])
-        for cached in so.scheduled_cached_reqs:
-            stale.extend(cached.new_block_ids)
+                self._hits[new.req_id] = new.num_computed_tokens // self.block_size * self.block_size
+        stale = so.fresh_block_ids(self.block_size)
         if stale:
             self.cache.invalidate_blocks(stale)
 
