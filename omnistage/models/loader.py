@@ -137,6 +137,12 @@ def check_supported(config: PretrainedConfig, path: Path) -> None:
         )
     if model_type in MM_MODEL_TYPES:
         config = mm_text_config(config)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type == "longrope":
+        # Its factors follow the longest position in one rotary call, which a packed batch of
+        # requests shares: a request's rotation would depend on the others beside it.
+        raise ValueError(f"{str(path)!r}: rope_type 'longrope' is not supported yet")
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         raise ValueError(

@@ -102,3 +102,13 @@ def test_bad_dtype():
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         resolve_dtype("float8")
     assert resolve_dtype("bf16") is torch.bfloat16 and resolve_dtype(torch.float16) is torch.float16
+
+
+def test_longrope_is_refused(tmp_path, tiny_llama):
+    """longrope picks its factors from the longest position in a rotary call, which a packed batch
+    shares: a request's tokens would depend on the requests beside it."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}  # fmt: skip
+    folder = _with_config(tiny_llama, tmp_path / "longrope", rope_parameters=rope, rope_scaling=rope)
+    with pytest.raises(ValueError, match="longrope' is not supported"):
+        load_model(folder)
