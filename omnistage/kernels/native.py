@@ -78,6 +78,9 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+_TEMP_PREFIX = "omnistage_kernels_tmp_"  # a build for one process, where the cache folder is not writable
+
+
 def _build(compiler: str, flags: set[str]) -> Path | None:
     """The compiled library for these sources, compiler and CPU (built now if not cached)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
@@ -86,7 +89,12 @@ def _build(compiler: str, flags: set[str]) -> Path | None:
     path = cache_root() / "kernels" / f"omnistage_kernels-{digest.hexdigest()[:16]}.so"
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # e.g. a read-only home: this process builds its own copy
+        _logger.warning("omnistage: cannot write %s (%s); building the native kernels in a temporary folder",
+                        path.parent, exc)  # fmt: skip
+        path = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX)) / path.name
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         # No fp contraction: a * b + c must round twice where the torch op it replaces does.
@@ -109,10 +117,16 @@ def native_kernels() -> ctypes.CDLL | None:
     compiler = shutil.which(envs.cxx())
     if platform.machine() != "x86_64" or not _REQUIRED_CPU_FLAGS <= flags or compiler is None:
         return None
-    path = _build(compiler, flags)
-    if path is None:
+    try:
+        path = _build(compiler, flags)
+        lib = None if path is None else ctypes.CDLL(str(path))
+        if path is not None and path.parent.name.startswith(_TEMP_PREFIX):  # loaded: the file can go
+            shutil.rmtree(path.parent, ignore_errors=True)
+    except OSError as exc:  # a folder or library the process cannot use: the torch ops serve
+        _logger.warning("omnistage: the native kernels cannot be built or loaded here (%s); using torch ops", exc)
         return None
-    lib = ctypes.CDLL(str(path))
+    if lib is None:
+        return None
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
