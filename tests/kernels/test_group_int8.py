@@ -38,6 +38,17 @@ def test_encode_reproduces_every_weight_bit_for_bit(kind, shape):
     assert torch.equal(enc.dequantize().view(torch.int32), w.view(torch.int32))
 
 
+def test_a_q8_0_weight_with_a_constant_group_keeps_its_form():
+    """A group of 32 equal weights fits Q4_1 with d = 0 only if its value is an fp16 one (Q4_1's
+    offset is stored so): otherwise it is Q8_0's, and the weight is not refused as a whole."""
+    w = np.random.default_rng(0).normal(0, 0.05, size=(64, 64)).astype(np.float32)
+    w[5, 32:] = 0.3  # Q8_0 stores it as 127 * d, which fp16 cannot hold
+    w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, Q8_0), Q8_0).reshape(64, 64))
+    assert w[5, 40].half().float() != w[5, 40]
+    enc = encode_group_int8(w)
+    assert enc is not None and torch.equal(enc.dequantize().view(torch.int32), w.view(torch.int32))
+
+
 def test_encode_takes_transposed_views_and_mixed_layouts():
     # Rows of both layouts in one matrix (as a fused q/k/v or gate/up weight of mixed files would be).
     w = torch.cat([gguf_weight((64, 96), Q4_1), gguf_weight((32, 96), Q8_0, seed=1)])
