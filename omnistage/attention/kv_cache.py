@@ -40,8 +40,8 @@ def allocate_kv_caches(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
-) -> list[torch.Tensor]:
-    """One ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` tensor per layer.
+) -> LayerCaches:
+    """One ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` tensor per layer (``LayerCaches``).
 
     Zero-filled, not ``empty``: a read gathers whole blocks and masks the
     unused tail, and a masked NaN left over in uninitialised memory would
@@ -59,10 +59,22 @@ def allocate_kv_caches(
     ):
         if value < 1:
             raise ValueError(f"allocate_kv_caches: {name} must be >= 1, got {value}")
-    shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+    shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
     if torch.device(device).type == "cpu":
-        return [_lazy_cpu_zeros(shape, dtype) for _ in range(num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        pool = _lazy_cpu_zeros(shape, dtype)
+    else:
+        pool = torch.zeros(shape, dtype=dtype, device=device)
+    return LayerCaches(pool)
+
+
+class LayerCaches(list):
+    """Every layer's KV cache (``[2, num_kv_heads, num_blocks, block_size, head_dim]``
+    each), views of one ``pool`` tensor with the layers first: what touches a block
+    in every layer (``zero_blocks``) is one call over the pool."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        super().__init__(pool.unbind(0))
+        self.pool = pool
 
 
 def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -72,18 +84,17 @@ def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
-def zero_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> None:
-    """Zero these blocks in every layer's cache (``allocate_kv_caches`` layout).
+def zero_blocks(caches: LayerCaches, block_ids: list[int]) -> None:
+    """Zero these blocks in every layer's cache.
 
     A block given to a request holds what its last owner left, and a read that
     gathers whole blocks masks their unused tail: a NaN left there (a request
     whose activations overflowed) would poison the new owner's output as
-    uninitialised memory would. About 0.1 ms per block over 30 layers on a CPU.
+    uninitialised memory would. About 35 us per block of the embedded default
+    (30 layers, 0.7 MB) on a CPU.
     """
-    if block_ids and caches:
-        ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
-        for cache in caches:
-            cache.index_fill_(2, ids, 0)
+    if block_ids:
+        caches.pool.index_fill_(3, torch.tensor(block_ids, dtype=torch.long, device=caches.pool.device), 0)
 
 
 def kv_cache_bytes_per_block(

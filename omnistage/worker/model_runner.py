@@ -206,8 +206,10 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             batch.update_request(cached.req_id, cached.new_block_ids, cached.num_computed_tokens)
         # What an ended request left in the blocks given out now must not reach their new owner.
-        zero_blocks(self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else []),
-                    so.fresh_block_ids(self.block_size))  # fmt: skip
+        fresh = so.fresh_block_ids(self.block_size)
+        for caches in (self.kv_caches, self.proposer.kv_caches if self.proposer is not None else None):
+            if caches is not None:
+                zero_blocks(caches, fresh)
         if self.tensor_cache is not None:
             self.tensor_cache.rows_added(so)
         if so.scheduled_new_reqs:
