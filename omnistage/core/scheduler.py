@@ -273,7 +273,8 @@ class Scheduler:
         # token, its blocks (a preemption) or a waiting request its prefill.
         self._worth_drafting = self._allocate_drafts()
         self._drafter_ks = {}
-        scheduled: list[tuple[Request, list[int], bool, CachedRequestData]] = []  # with drafts, sampling?
+        # Pass 1's requests, for pass 3: (request, its proposal, whether it samples, its output entry).
+        scheduled: list[tuple[Request, list[int], bool, CachedRequestData]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
