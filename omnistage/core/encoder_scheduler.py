@@ -87,6 +87,10 @@ class EncoderScheduler:
         self.remote_ready: set[str] = set()
         self._loads: dict[str, list[int]] = {}  # this pass: request id -> items to load
         self.allocated: list[str] = []  # this pass: identifiers the worker is to encode or load
+        # Items a window needed that its request did not hold yet, and of those the ones the
+        # cache already had (the encoder cache's hit rate; a drafter's look-ahead is not counted).
+        self.num_queries = 0
+        self.num_hits = 0
 
     # -- admission -----------------------------------------------------------
 
@@ -144,7 +148,9 @@ class EncoderScheduler:
             if feature.identifier in chosen:
                 plan.same_content.append(k)
                 continue
+            self.num_queries += 1
             if manager.check_and_update_cache(request, k):
+                self.num_hits += 1
                 plan.pinned.append(k)
                 continue
             n = pos.get_num_embeds()

@@ -35,6 +35,8 @@ class SchedulerStats:
     num_drafts: int = 0  # verify runs (a request's drafts in one step)
     # Accepted drafts by position in their run (index 0 = first draft); vLLM's per-position counter.
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    encoder_cache_queries: int = 0  # items a window needed that the request did not hold yet
+    encoder_cache_hits: int = 0  # of which cached already (no encoder run)
 
     @property
     def kv_usage(self) -> float:
@@ -655,6 +657,8 @@ class Scheduler:
             num_accepted_tokens=self.num_accepted_tokens,
             num_drafts=self.num_drafts,
             num_accepted_tokens_per_pos=tuple(self.accepted_per_pos),
+            encoder_cache_queries=self.encoder.num_queries if self.encoder is not None else 0,
+            encoder_cache_hits=self.encoder.num_hits if self.encoder is not None else 0,
         )
 
     def reset_prefix_cache(self) -> None:

@@ -66,6 +66,8 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_drafts: int = 0  # verify runs
     num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted drafts by position in their run
+    encoder_cache_queries: int = 0  # multimodal items a window needed (0 for a text model)
+    encoder_cache_hits: int = 0  # of which the encoder cache held already
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -476,6 +478,8 @@ class StageEngine:
             num_accepted_tokens=s.num_accepted_tokens,
             num_drafts=s.num_drafts,
             num_accepted_tokens_per_pos=s.num_accepted_tokens_per_pos,
+            encoder_cache_queries=s.encoder_cache_queries,
+            encoder_cache_hits=s.encoder_cache_hits,
         )
 
     # -- text helpers ----------------------------------------------------------

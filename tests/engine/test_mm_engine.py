@@ -144,7 +144,13 @@ def test_caches_and_chunking_do_not_change_outputs(budget, prefix_caching, encod
         assert encoded_again == 0  # items inside KV hits need no encoder; else the encoder cache holds them
     else:
         assert encoded_again == num_items
-    assert (engine.get_stats().prefix_cache_hit_tokens > 0) == prefix_caching
+    stats = engine.get_stats()
+    assert (stats.prefix_cache_hit_tokens > 0) == prefix_caching
+    # The encoder cache's queries are the items a window needed (none inside a KV hit), its hits
+    # those it held: every second-round query hits while it retains outputs.
+    second_round = 0 if prefix_caching else num_items
+    assert stats.encoder_cache_queries == num_items + second_round
+    assert stats.encoder_cache_hits == (second_round if encoder_cache else 0)
     assert_pool_clean(engine)
     assert_encoder_clean(engine)
 

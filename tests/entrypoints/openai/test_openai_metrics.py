@@ -30,6 +30,7 @@ def test_engine_stats_mapping() -> None:
     assert s["prefix_cache_hit_rate"] == 0.25
     assert s["num_requests_running"] == 2 and s["num_requests_waiting"] == 1
     assert s["encoder_cache_hit_rate"] == 0.0
+    assert normalize_engine_stats({"encoder_cache_queries": 8, "encoder_cache_hits": 6})["encoder_cache_hit_rate"] == 0.75
     assert normalize_engine_stats(None) == {}
 
 
