@@ -23,7 +23,8 @@ expected. Modules never read ``os.environ`` themselves; they call these.
   engine starts (``worker/step_costs.py``): the same drafts on every machine
   and run, for tests and for seeded sampling that must repeat across runs.
 - ``RAY_ADDRESS`` (unset): the Ray cluster that encoder workers
-  (``num_encoder_workers``) run on; unset starts a local instance.
+  (``num_encoder_workers``) and data-parallel replicas (``data_parallel_size``)
+  run on; unset starts a local instance.
 
 A switch is off for ``0``, ``false``, ``no`` or ``off`` (any case); any other
 value, or none, leaves it on.

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.core.spec_decode import SpeculativeConfig
+from omnistage.sampling_params import SEED_MAX, SEED_MIN
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "EngineArgs"]
 
@@ -82,10 +83,12 @@ class EngineArgs:
     max_model_len: int | None = _option(None, "context length (default: the model's, capped at 8192)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of a prompt prefix seen before")
     encoder_cache_size: int | None = _option(
-        None, "multimodal: encoder embeddings held (default: max-num-batched-tokens, at least one item)"
+        None,
+        "multimodal: encoder embeddings held (default: max-num-batched-encoder-embeds, else max-num-batched-tokens;"
+        " at least one item)",
     )
     max_num_batched_encoder_embeds: int | None = _option(
-        None, "multimodal: encoder embeddings computed per step (default: like encoder-cache-size)"
+        None, "multimodal: encoder embeddings computed per step (default: max-num-batched-tokens, at least one item)"
     )
     enable_encoder_cache: bool = _option(True, "multimodal: reuse encoder outputs across requests")
     num_encoder_workers: int = _option(
@@ -99,7 +102,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = _option(
         None,
         'speculative decoding, off when unset; a JSON object: {"method": "ngram", "num_speculative_tokens": K, '
-        '"prompt_lookup_max": N, "prompt_lookup_min": M}',
+        '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "eagle", "model": "<head folder>", '
+        '"num_speculative_tokens": K}',
     )
     data_parallel_size: int = _option(
         1,
@@ -131,6 +135,7 @@ class EngineArgs:
             ("gpu_memory_utilization", self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1),
             ("num_encoder_workers", self.num_encoder_workers >= 0),
             ("encoder_worker_timeout_s", self.encoder_worker_timeout_s > 0),
+            ("seed", type(self.seed) is int and SEED_MIN <= self.seed <= SEED_MAX),
         ]
         for name, ok in checks:
             if not ok:

@@ -80,6 +80,12 @@ def test_out_of_range_values_are_rejected(field):
         EngineArgs(**{field: 0})
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 1.0, True])
+def test_a_seed_torch_cannot_take_is_rejected(seed):
+    with pytest.raises(ValueError, match=r"EngineArgs\.seed is out of range"):
+        EngineArgs(seed=seed)
+
+
 def test_vllm_arguments_are_accepted_and_ignored_ones_warn_once(caplog):
     caplog.set_level(logging.WARNING, logger="omnistage")
     vllm_script = dict(tensor_parallel_size=1, pipeline_parallel_size=1, enforce_eager=True, trust_remote_code=True,
