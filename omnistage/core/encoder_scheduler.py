@@ -179,15 +179,21 @@ class EncoderScheduler:
                 feature = features[k]
                 if k in held or k in plan.pinned or k in plan.to_encode or k in plan.to_load or k in plan.same_content:
                     continue
+                n, chosen_rows = feature.mm_position.get_num_embeds(), plan.num_embeds + plan.num_load_embeds
                 if feature.identifier in chosen:
                     plan.same_content.append(k)
                 elif manager.check_and_update_cache(request, k):
                     plan.pinned.append(k)
+                elif feature.identifier in self.remote_ready:  # a worker published it: loaded, never encoded again
+                    if manager.can_allocate(request, k, n, chosen_rows):
+                        plan.to_load.append(k)
+                        plan.num_load_embeds += n
+                        chosen.add(feature.identifier)
                 elif feature.identifier not in self.remote_pending and manager.can_allocate(
-                    request, k, self.budget_left - plan.num_embeds, plan.num_embeds + plan.num_load_embeds
+                    request, k, self.budget_left - plan.num_embeds, chosen_rows
                 ):
                     plan.to_encode.append(k)
-                    plan.num_embeds += feature.mm_position.get_num_embeds()
+                    plan.num_embeds += n
                     chosen.add(feature.identifier)
         if num_new_tokens == 0:
             self.release(request, plan)

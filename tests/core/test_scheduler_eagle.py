@@ -153,6 +153,12 @@ def test_boundary_item_counts_the_rows_of_items_loaded_in_the_same_window():
     sched.encoder.remote_ready = {"a"}
     out = sched.schedule()  # room for both: the boundary item is encoded early
     assert out.remote_encoder_inputs == {"r": [0]} and out.scheduled_encoder_inputs == {"r": [1]}
+    sched = _sched(speculative_config=EAGLE, max_num_batched_tokens=8, encoder_compute_budget=30,
+                   encoder_cache_size=30)  # fmt: skip
+    sched.add_request(_req("r", _text(30, 0), [(2, 6, "a"), (8, 12, "b")]))
+    sched.encoder.remote_ready = {"a", "b"}
+    out = sched.schedule()  # both published: both loaded, neither encoded here again
+    assert out.remote_encoder_inputs == {"r": [0, 1]} and not out.scheduled_encoder_inputs
 
 
 def test_one_item_cache_never_stalls_on_the_look_ahead():
