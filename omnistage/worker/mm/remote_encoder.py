@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from omnistage.models.mm_loader import MM_MODEL_TYPES
 from omnistage.multimodal.inputs import MultiModalFeatureSpec
 from omnistage.ray_cluster import RAY_NAMESPACE, actor_resources, connect_ray
 from omnistage.worker.mm.encoder_worker import (
@@ -115,8 +116,16 @@ class RemoteEncoderPool:
 
     @classmethod
     def for_model(cls, loaded_model: Any, processor: Any, args: Any) -> RemoteEncoderPool:
-        """The pool of an engine's multimodal model (``EngineArgs.num_encoder_workers``)."""
+        """The pool of an engine's multimodal model (``EngineArgs.num_encoder_workers``); a
+        model whose towers no worker can load alone is refused (every worker would fail to
+        start, be respawned, and fail again)."""
         adapter = loaded_model.mm_adapter
+        model_type = getattr(adapter.config, "model_type", None)
+        if model_type not in MM_MODEL_TYPES:
+            raise ValueError(
+                f"num_encoder_workers={args.num_encoder_workers}: encoder-only workers are not supported for "
+                f"model type {model_type!r} yet (they run {list(MM_MODEL_TYPES)}); use 0"
+            )
         fingerprint = towers_fingerprint(adapter)
         return cls(
             str(loaded_model.model_path),

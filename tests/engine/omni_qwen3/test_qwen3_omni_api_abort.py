@@ -203,3 +203,10 @@ def test_abort_in_any_stage_frees_everything(
     assert [o.request_id for o in done] == ["bystander"]
     assert_same_answer(done[0], bystander_alone)
     assert_nothing_held(llm)
+
+
+def test_encoder_workers_are_refused_until_they_load_qwen3_towers(make_q3: Callable[..., LLM]) -> None:
+    """A worker runs the towers alone, which Qwen3-Omni's (deepstack rows) cannot do yet: the
+    engine refuses the option at build instead of respawning workers that never start."""
+    with pytest.raises(ValueError, match=r"num_encoder_workers=1: .*not supported for model type 'qwen3_omni"):
+        make_q3(num_encoder_workers=1)
