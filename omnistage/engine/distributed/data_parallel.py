@@ -71,7 +71,9 @@ class ReplicaLoad:
 
 @dataclass
 class DataParallelStats(EngineStats):
-    """The replicas' stats summed (live ones), and each replica's load."""
+    """The replicas' stats summed, and each replica's load. Gauges (requests, KV blocks) sum
+    the replicas that answered; counters add what a replica that did not (stalled, or dead)
+    last reported, so a total never goes back (a scraper would read a counter reset)."""
 
     replicas: list[ReplicaLoad] = field(default_factory=list)
 
@@ -129,6 +131,7 @@ class DataParallelEngine:
         self.args = args
         self._requests: dict[str, _Routed] = {}
         self._failed: list[RequestOutput] = []  # outputs of requests a dead replica took with it
+        self._last_stats: dict[int, EngineStats] = {}  # each replica's last answer to get_stats
         n = args.data_parallel_size
         resources = actor_options or actor_resources(args.device)
         _warn_if_unplaceable(resources, n)
@@ -361,7 +364,11 @@ class DataParallelEngine:
 
     def get_stats(self) -> DataParallelStats:
         per = {r.index: s for r, s in self._live_calls("get_stats")}
-        summed = {f.name: _sum_stat([getattr(s, f.name) for s in per.values()]) for f in dataclasses.fields(EngineStats)}
+        self._last_stats.update(per)
+        summed = {
+            f.name: _sum_stat([getattr(s, f.name) for s in (per if f.name in _GAUGES else self._last_stats).values()])
+            for f in dataclasses.fields(EngineStats)
+        }
         loads = []
         for r in self._replicas:
             s = per.get(r.index)
@@ -370,8 +377,10 @@ class DataParallelEngine:
             if s is not None:
                 load.num_running_reqs, load.num_waiting_reqs = s.num_running_reqs, s.num_waiting_reqs
                 load.kv_cache_usage = s.kv_cache_usage
-                load.prefix_cache_hit_tokens = s.prefix_cache_hit_tokens
-                load.prefix_cache_query_tokens = s.prefix_cache_query_tokens
+            last = self._last_stats.get(r.index)
+            if last is not None:  # counters: as last reported
+                load.prefix_cache_hit_tokens = last.prefix_cache_hit_tokens
+                load.prefix_cache_query_tokens = last.prefix_cache_query_tokens
             loads.append(load)
         return DataParallelStats(**summed, replicas=loads)
 
@@ -388,6 +397,9 @@ class DataParallelEngine:
                 ray.kill(r.actor, no_restart=True)
                 r.alive = False
         self._requests.clear()
+
+
+_GAUGES = frozenset({"num_running_reqs", "num_waiting_reqs", "kv_blocks_used", "kv_blocks_total"})
 
 
 def _sum_stat(values: list) -> Any:

@@ -226,6 +226,7 @@ class EngineClient:
             streams: dict[str, RequestStream] = {}
             try:
                 self._loop(streams)
+                self._release_engine()
                 return  # stopped
             except BaseException as exc:  # noqa: BLE001 - a broken engine must fail its requests, not hang them
                 logger.error("engine loop died: %s\n%s", exc, traceback.format_exc())
@@ -233,6 +234,7 @@ class EngineClient:
                 err = EngineDeadError(f"engine failed: {exc!r}")
                 self._drain_after_death(err)
                 self._deliver([(s, err) for s in streams.values()])
+            self._release_engine()  # a new one may need what the old one holds (replicas' devices)
             try:
                 logger.warning("rebuilding the engine")
                 self.engine = self._factory()
@@ -242,6 +244,16 @@ class EngineClient:
             self._drain_after_death(EngineDeadError("the engine was rebuilt; send the request again"))
             self._dead = None
             logger.warning("the engine was rebuilt and serves again")
+
+    def _release_engine(self) -> None:
+        """Let go of what the engine holds outside this process (data-parallel replicas'
+        actors, each a whole model on its own device)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - stopping must not fail on an engine already broken
+                logger.warning("shutting the engine down failed", exc_info=True)
 
     def _drain_after_death(self, err: BaseException) -> None:
         """Fail commands still queued so no caller waits forever."""

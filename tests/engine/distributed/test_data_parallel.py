@@ -182,6 +182,7 @@ def test_a_stalled_replica_never_stalls_stats(setups):
 
     s = setups("vl")
     engine = s.engine
+    before = engine.get_stats()
     pid = ray.get(engine.actor(1).pid.remote())
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -191,6 +192,10 @@ def test_a_stalled_replica_never_stalls_stats(setups):
     finally:
         os.kill(pid, signal.SIGCONT)
     assert waited < 10 and [load.alive for load in stats.replicas] == [True, False]
+    # Its counters stand as last reported (a total that went back would read as a reset); gauges drop it.
+    assert stats.prefix_cache_query_tokens == before.prefix_cache_query_tokens > 0
+    assert stats.replicas[1].prefix_cache_query_tokens == before.replicas[1].prefix_cache_query_tokens
+    assert stats.kv_blocks_total < before.kv_blocks_total
     assert [load.alive for load in engine.get_stats().replicas] == [True, True]
 
 
@@ -264,3 +269,5 @@ def test_server_routes_around_the_dead_replica_and_reports_each(setups):
     assert samples[f'omnistage:replica_up{{replica="{1 - dead}"}}'] == 1
     assert samples[f'omnistage:replica_prefix_cache_queries_total{{replica="{1 - dead}"}}'] > 0
     assert f'omnistage:replica_num_requests{{replica="{1 - dead}"}}' in samples
+    # The server owned the engine: stopping it let go of the replicas' actors (a model and a device each).
+    assert engine.num_live_replicas == 0
