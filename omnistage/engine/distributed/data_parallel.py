@@ -331,7 +331,12 @@ class DataParallelEngine:
                 routed.retried = True
                 self._route(rid, routed)
                 continue
-            why = "after it streamed tokens" if routed.streamed else "and no replica is left to retry it on"
+            if routed.streamed:
+                why = "after it streamed tokens"
+            elif routed.retried:
+                why = "as the second replica to run it (a request moves to another once)"
+            else:
+                why = "and no replica is left to retry it on"
             error = f"request {rid!r}: engine replica {replica.index} died {why} ({replica.error})"
             self._failed.append(failed_output(rid, routed.inputs, routed.params.n, error))
 
