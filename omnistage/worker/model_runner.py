@@ -211,7 +211,7 @@ class ModelRunner:
             if caches is not None:
                 zero_blocks(caches, fresh)
         if self.tensor_cache is not None:
-            self.tensor_cache.rows_added(so)
+            self.tensor_cache.rows_added(so, fresh)
         if so.scheduled_new_reqs:
             # The dense decode views know requests by id, and an id may come back once its request
             # ended: the new request must not continue the old one's keys. This costs nothing: a

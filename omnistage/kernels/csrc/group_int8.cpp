@@ -367,12 +367,10 @@ bool encode_group(const float* w, int8_t* q, long stride, float* d, float* m) {
     static const int steps[3] = {0, 1, -1};  // the fp16 rounding of the estimate, then its neighbours
     // Q4_1 stores its offset in fp16: a group whose minimum is no fp16 value is not one (a constant
     // group of a Q8_0 weight would fit it with d = 0, and the weight would be refused as a whole).
-    for (int step : steps) {
-        const float cand = fp16_round((hi - lo) / 15.0f, step);
-        if (fp16_round(lo, 0) == lo && fits(w0, w1, cand, lo, 0.0f, 15.0f, q, stride)) {
-            *d = cand;
-            *m = lo;
-            return true;
+    if (fp16_round(lo, 0) == lo) {
+        for (int step : steps) {
+            const float cand = fp16_round((hi - lo) / 15.0f, step);
+            if (fits(w0, w1, cand, lo, 0.0f, 15.0f, q, stride)) { *d = cand; *m = lo; return true; }
         }
     }
     for (int step : steps) {

@@ -81,15 +81,15 @@ class StepTensorCache:
             for req_id in so.aborted_req_ids | so.preempted_req_ids:
                 self.cache.discard_deferred_mm_outputs(req_id)
 
-    def rows_added(self, so: SchedulerOutput) -> None:
-        """After the batch took the step's new blocks: mark hits, invalidate the rest."""
+    def rows_added(self, so: SchedulerOutput, fresh_blocks: list[int]) -> None:
+        """After the batch took the step's new blocks: mark hits, invalidate the rest
+        (``fresh_blocks``: ``so.fresh_block_ids``, which the runner has computed already)."""
         for new in so.scheduled_new_reqs:
             if new.num_computed_tokens > 0:
                 self.cache.add_prefix_cached_new_req_id(new.req_id)
                 self._hits[new.req_id] = new.num_computed_tokens // self.block_size * self.block_size
-        stale = so.fresh_block_ids(self.block_size)
-        if stale:
-            self.cache.invalidate_blocks(stale)
+        if fresh_blocks:
+            self.cache.invalidate_blocks(fresh_blocks)
 
     def discard(self, req_ids: Iterable[str]) -> None:
         """Drop staged rows of requests that ended outside the step loop (aborts)."""

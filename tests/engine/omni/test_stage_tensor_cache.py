@@ -47,7 +47,7 @@ class Runner:
                                    n.sampling_params)  # fmt: skip
         for c in so.scheduled_cached_reqs:
             self.batch.update_request(c.req_id, c.new_block_ids, c.num_computed_tokens)
-        self.cache.rows_added(so)
+        self.cache.rows_added(so, so.fresh_block_ids(BS))
         return self.batch.prepare_step(so.num_scheduled_tokens) if so.num_scheduled_tokens else None
 
     def forward(self, step, base: float = 0.0):
