@@ -232,10 +232,19 @@ class MultiModalProcessor:
         )
         num_frames = int(out["attention_mask"][0].sum())
         features = out["input_features"][0, :, :num_frames].to(torch.float32).contiguous()
+        num_tokens = self._audio_length(num_frames)
+        if num_tokens < 1:  # its placeholder would vanish from the prompt and the clip be ignored silently
+            shortest = next(n for n in range(1, 1000) if self._audio_length(n) >= 1)
+            hop_ms = 1000 * fe.hop_length / fe.sampling_rate
+            raise ValueError(
+                f"{where}: the clip is {1000 * len(waveform) / fe.sampling_rate:.1f} ms long ({num_frames} mel "
+                f"frame(s)), too short for the audio encoder to give an embedding; expected more than "
+                f"{(shortest - 1) * hop_ms:.0f} ms"
+            )
         data = {"input_features": features, "audio_feature_lengths": torch.tensor([num_frames], dtype=torch.int64)}
         # hashed at the model's rate: equal sound shares however it was supplied
         identifier = hash_audio(waveform, fe.sampling_rate, options)
-        return data, self._audio_length(num_frames), identifier
+        return data, num_tokens, identifier
 
     # -------------------------------------------------------------- prompts
 

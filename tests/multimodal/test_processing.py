@@ -235,6 +235,16 @@ def test_resampled_audio(omni):
     assert f.mm_position.length == 25
 
 
+def test_audio_too_short_for_an_embedding_is_refused(omni):
+    prompt = chat(omni, "text", "audio")
+    # 320 samples: two 10 ms mel frames, which the audio tower's strides turn into no embedding
+    with pytest.raises(ValueError, match=r"audio item 0: the clip is 20.0 ms long \(2 mel frame\(s\)\), too short"):
+        omni.process({"prompt": prompt, "multi_modal_data": {"audio": (np.full(320, 0.1, np.float32), 16000)}})
+    out = omni.process({"prompt": prompt, "multi_modal_data": {"audio": (np.full(321, 0.1, np.float32), 16000)}})
+    assert [f.mm_position.length for f in out.mm_features] == [1]
+    assert out.prompt_token_ids.count(omni.placeholder_ids["audio"]) == 1
+
+
 def test_max_tokens_per_item(vl, omni):
     assert vl.max_tokens_per_item(max_video_frames=8) == {"image": 64, "video": 4 * 16}
     # Qwen2.5-Omni's video size is its processor's, not the checkpoint's: 768 merged tokens per frame pair
