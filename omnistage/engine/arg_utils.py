@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -269,6 +270,15 @@ class EngineArgs:
 
     def resolve_num_kv_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         if self.num_kv_blocks is not None:
+            # A pool the device cannot hold would not fail at once (a CPU tensor's pages are only
+            # committed when written) but hang building its free list, then die out of memory.
+            needed, total = self.num_kv_blocks * bytes_per_block, _device_memory(self.device)
+            if needed > total:
+                raise ValueError(
+                    f"EngineArgs.num_kv_blocks={self.num_kv_blocks} needs {needed / 2**30:.1f} GiB of KV cache "
+                    f"({bytes_per_block} bytes per block), more than the {total / 2**30:.1f} GiB of memory on "
+                    f"{self.device}"
+                )
             return self.num_kv_blocks
         budget = self.kv_cache_memory_bytes
         if budget is None and self.gpu_memory_utilization is not None and _device_type(self.device) == "cuda":
@@ -312,6 +322,15 @@ def check_device(device: str) -> None:
 
 def _device_type(device: str) -> str:
     return device.split(":", 1)[0]
+
+
+def _device_memory(device: str) -> int:
+    """Bytes of memory ``device`` has in all (the machine's physical memory for the CPU)."""
+    if _device_type(device) == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _cuda_budget(device: str, utilization: float) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 
 import pytest
 import torch
@@ -131,6 +132,15 @@ def test_gpu_memory_utilization_sizes_the_kv_pool_on_cuda(monkeypatch):
         args.resolve_num_kv_blocks(1024**2, max_model_len=4096)
     args.kv_cache_memory_bytes = 3 * 1024**2  # an explicit budget wins
     assert args.resolve_num_kv_blocks(1024**2, max_model_len=4096) == 3
+
+
+def test_a_kv_pool_larger_than_the_machine_is_refused():
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_block = 737280  # the embedded default's: 30 layers x 16 tokens x 3 heads x 64 x (k, v) x fp32
+    assert EngineArgs(num_kv_blocks=machine // per_block).resolve_num_kv_blocks(per_block, 8192) == machine // per_block
+    # before: accepted, and the engine hung building a free list of 10^9 blocks until it ran out of memory
+    with pytest.raises(ValueError, match=r"EngineArgs.num_kv_blocks=1000000000 needs 686645.5 GiB of KV cache"):
+        EngineArgs(num_kv_blocks=10**9).resolve_num_kv_blocks(per_block, 8192)
 
 
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "meta"])
