@@ -189,7 +189,8 @@ class SamplingParams:
                 )
         if self.min_tokens > 0:
             banned = set(self.suppress_token_ids) | set(self.stop_token_ids)
-            banned |= set() if self.ignore_eos else set(eos_token_ids)
+            if not self.ignore_eos:
+                banned |= set(eos_token_ids)
             if self.allowed_token_ids is not None:
                 left = bool(set(self.allowed_token_ids) - banned)
             else:

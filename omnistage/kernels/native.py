@@ -119,13 +119,13 @@ def native_kernels() -> ctypes.CDLL | None:
         return None
     try:
         path = _build(compiler, flags)
-        lib = None if path is None else ctypes.CDLL(str(path))
-        if path is not None and path.parent.name.startswith(_TEMP_PREFIX):  # loaded: the file can go
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))
+        if path.parent.name.startswith(_TEMP_PREFIX):  # loaded: the file can go
             shutil.rmtree(path.parent, ignore_errors=True)
     except OSError as exc:  # a folder or library the process cannot use: the torch ops serve
         _logger.warning("omnistage: the native kernels cannot be built or loaded here (%s); using torch ops", exc)
-        return None
-    if lib is None:
         return None
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
