@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DEFAULT_KV_CACHE_BYTES_CPU = 512 * 1024**2
 DEFAULT_KV_CACHE_BYTES_GPU = 4 * 1024**3
+TOKEN_ID_BYTES = 8  # the runner's host table of token ids is int64 (worker/input_batch.py)
 
 _ENGINE = "model and engine"
 _VLLM = "accepted for vLLM scripts"
@@ -261,12 +262,24 @@ class EngineArgs:
     def resolve_max_model_len(self, model_max_len: int | None) -> int:
         limit = model_max_len or DEFAULT_MAX_MODEL_LEN_CAP
         if self.max_model_len is None:
-            return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
-        if self.max_model_len > limit:
+            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+        elif self.max_model_len > limit:
             raise ValueError(
                 f"EngineArgs.max_model_len={self.max_model_len} exceeds the model's context length {limit}"
             )
-        return self.max_model_len
+        else:
+            max_model_len = self.max_model_len
+        # The runner keeps every running request's token ids on the host, max_model_len of them a
+        # row: a table the machine cannot hold would otherwise fail deep inside numpy, naming no field.
+        needed, total = self.max_num_seqs * max_model_len * TOKEN_ID_BYTES, _device_memory("cpu")
+        if needed > total:
+            raise ValueError(
+                f"EngineArgs.max_num_seqs={self.max_num_seqs} with max_model_len={max_model_len} needs "
+                f"{needed / 2**30:.1f} GiB of host memory for the running requests' token ids "
+                f"({TOKEN_ID_BYTES} bytes per position), more than the machine's {total / 2**30:.1f} GiB; "
+                "lower max_num_seqs or max_model_len"
+            )
+        return max_model_len
 
     def resolve_num_kv_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         if self.num_kv_blocks is not None:

@@ -178,3 +178,13 @@ def test_max_model_len_resolution():
     assert EngineArgs(max_model_len=100).resolve_max_model_len(512) == 100
     with pytest.raises(ValueError, match="max_model_len"):
         EngineArgs(max_model_len=1024).resolve_max_model_len(512)
+
+
+def test_a_token_table_larger_than_the_machine_is_refused():
+    """max_num_seqs rows of max_model_len int64 token ids: past the machine's memory numpy would fail
+    with a bare MemoryError naming no field."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = machine // (8192 * 8)
+    assert EngineArgs(max_num_seqs=fits).resolve_max_model_len(8192) == 8192
+    with pytest.raises(ValueError, match=r"max_num_seqs=10000000 with max_model_len=8192 needs 610\.4 GiB"):
+        EngineArgs(max_num_seqs=10**7).resolve_max_model_len(10**6)
