@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,25 @@ def _token_ids_ok(ids: Any, non_empty: bool = False) -> bool:
     return isinstance(ids, list) and (bool(ids) or not non_empty) and all(_int_in(t, 0, INT32_MAX) for t in ids)
 
 
+def _token_key(k: Any) -> Any:
+    """A logit_bias key as a token id: decimal strings (JSON object keys) become ints; anything else
+    is left for validation to refuse."""
+    if isinstance(k, str) and k.strip().lstrip("+-").isdecimal():
+        return int(k)
+    return k
+
+
+def _bad_bias_entry(logit_bias: Any) -> str | None:
+    """The first entry of ``logit_bias`` that is no token id -> bias in OpenAI's range (the whole
+    of it when it is no dict); None when every entry is."""
+    if not isinstance(logit_bias, dict):
+        return repr(logit_bias)
+    for token, bias in logit_bias.items():
+        if not _int_in(token, 0, INT32_MAX) or not _float_in(bias, -100.0, 100.0):
+            return f"{token!r}: {bias!r}"
+    return None
+
+
 def _listed(v: Any) -> Any:
     """A list of ``v``'s items (``[]`` for None); anything else is left for validation to refuse."""
     if v is None:
@@ -69,8 +88,11 @@ class SamplingParams:
     ``frequency_penalty`` (OpenAI's definitions, subtracted from the logit
     once, or once per occurrence) count the output only.
     ``suppress_token_ids`` are never sampled; with ``allowed_token_ids`` set,
-    only those are. Penalties and token rules shape what is sampled; the
-    reported logprobs stay those of the model's raw distribution.
+    only those are. ``logit_bias`` adds its value to each listed token's logit
+    before the penalties (as vLLM, and ``transformers``' ``sequence_bias``);
+    token ids may come as decimal strings, as in OpenAI's JSON. Penalties,
+    biases and token rules shape what is sampled; the reported logprobs stay
+    those of the model's raw distribution.
     """
 
     n: int = 1
@@ -92,6 +114,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # 0: off
     suppress_token_ids: list[int] = field(default_factory=list)  # never sampled
     allowed_token_ids: list[int] | None = None  # None: every token may be sampled
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range, -100..100)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +124,8 @@ class SamplingParams:
         self.suppress_token_ids = _listed(self.suppress_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _listed(self.allowed_token_ids)
+        if isinstance(self.logit_bias, Mapping):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -160,6 +185,12 @@ class SamplingParams:
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}")
+        bad = None if self.logit_bias is None else _bad_bias_entry(self.logit_bias)
+        if bad is not None:
+            raise ValueError(
+                f"SamplingParams.logit_bias must be None or a dict of token ids in [0, {INT32_MAX}] to floats "
+                f"in [-100, 100], got {bad}"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"SamplingParams.min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
@@ -176,6 +207,12 @@ class SamplingParams:
         """
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"SamplingParams.logprobs ({self.logprobs}) exceeds the vocabulary size {vocab_size}")
+        if self.logit_bias:
+            bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.logit_bias must name ids below the vocabulary size {vocab_size}, got {bad[:8]}"
+                )
         if self.allowed_token_ids is not None:
             bad = [t for t in self.allowed_token_ids if t >= vocab_size]
             if bad:

@@ -31,6 +31,7 @@ BAD = {
     "stop_token_ids": [[-1], [INT32_MAX + 1], [HUGE], [1.0], ["3"], 3, "3"],
     "suppress_token_ids": [[-1], [HUGE], [2.5], 1],
     "allowed_token_ids": [[], [-1], [HUGE], [0.5], 2],
+    "logit_bias": [{"x": 1}, {-1: 1}, {"-1": 1}, {HUGE: 1}, {1.0: 1}, {True: 1}, {1: NAN}, {1: 101}, {1: "2"}, [1], 5],
     "ignore_eos": ["false", 1, None],
     "include_stop_str_in_output": ["yes", 0],
     "skip_special_tokens": ["no", None],
@@ -53,6 +54,7 @@ GOOD = {
     "stop_token_ids": [None, [], [0, INT32_MAX], (1, 2), np.array([3, 4])],
     "suppress_token_ids": [[], [0, 3]],
     "allowed_token_ids": [None, [0], [1, 2]],
+    "logit_bias": [None, {}, {0: -100, INT32_MAX: 100}, {"5": 1.5, " 6": -2}, {np.int64(3): np.float32(0.5)}],
 }
 
 
@@ -106,6 +108,8 @@ def test_check_vocab():
         SamplingParams(logprobs=9).check_vocab(8)
     with pytest.raises(ValueError, match=r"^SamplingParams\.allowed_token_ids .*\[8\]"):
         SamplingParams(allowed_token_ids=[1, 8]).check_vocab(8)
+    with pytest.raises(ValueError, match=r"^SamplingParams\.logit_bias .*vocabulary size 8, got \[8, 9\]"):
+        SamplingParams(logit_bias={9: 1.0, 7: 2.0, 8: -1.0}).check_vocab(8)
     # min_tokens keeps EOS (id 2 here) and the stop ids from the first tokens: rules that leave
     # nothing else to sample are refused, naming min_tokens; with ignore_eos, EOS stays allowed.
     no_other = [

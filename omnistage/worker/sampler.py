@@ -1,12 +1,13 @@
 """Token sampling for one step, batched over every request that samples.
 
-Penalties, suppressed tokens, min_tokens masking, greedy, temperature,
-top-k, top-p and min-p run as one vectorized pass over the ``[S, V]``
-logits, with no full sort of the vocabulary (a 49k-token sort per row cost
-more than a decode step). A draw is one uniform number per row, mapped
-through the row's cumulative weights (:func:`draw_rows`), so a seeded request
-draws from its own generator and gets the same tokens whatever else is in
-the batch; that per-row uniform is the only loop over requests.
+Logit biases, penalties, suppressed tokens, min_tokens masking, greedy,
+temperature, top-k, top-p and min-p run as one vectorized pass over the
+``[S, V]`` logits, with no full sort of the vocabulary (a 49k-token sort
+per row cost more than a decode step). A draw is one uniform number per
+row, mapped through the row's cumulative weights (:func:`draw_rows`), so a
+seeded request draws from its own generator and gets the same tokens
+whatever else is in the batch; that per-row uniform is the only loop over
+requests.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class SamplingMetadata:
     banned_tokens: torch.Tensor | None = None
     penalties: PenaltyMetadata | None = None  # repetition / presence / frequency, rows that have any
     token_mask: TokenMask | None = None  # suppressed / not-allowed tokens, rows that have any
+    # (row, token, bias) triples added to the logits (logit_bias), rows that have any.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -58,6 +63,7 @@ class SamplingMetadata:
             and self.banned_rows is None
             and self.penalties is None
             and self.token_mask is None
+            and self.bias_rows is None
         )
 
 
@@ -99,9 +105,11 @@ class Sampler:
 
     @staticmethod
     def apply_logit_rules(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Penalties, suppressed / allowed tokens and min_tokens bans on fp32 ``logits``."""
-        # transformers' order (RepetitionPenalty, SuppressTokens, MinNewTokens), with
-        # vLLM's frequency and presence penalties right after the repetition penalty.
+        """Logit biases, penalties, suppressed / allowed tokens and min_tokens bans on fp32 ``logits``."""
+        # transformers' order (SequenceBias, RepetitionPenalty, SuppressTokens, MinNewTokens),
+        # vLLM's too, with its frequency and presence penalties right after the repetition penalty.
+        if md.bias_rows is not None:
+            logits = logits.index_put((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
         if md.penalties is not None:
             logits = md.penalties.apply(logits)
         if md.token_mask is not None:
@@ -230,6 +238,7 @@ class SamplingState:
         self.history = TokenHistory(max_num_reqs, vocab_size, device)
         self.masked = np.zeros(max_num_reqs, dtype=bool)  # row has suppressed / allowed tokens
         self.token_mask: torch.Tensor | None = None  # [max_num_reqs, V] bool, True = never sampled
+        self.bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> its logit_bias (ids, values)
 
     def set_row(self, row: int, params: SamplingParams) -> None:
         """Mirror ``params`` into ``row``. Raises ``ValueError`` naming the
@@ -254,6 +263,11 @@ class SamplingState:
         self.penalized[row] = params.has_penalties
         if params.has_penalties:
             self.history.reset_row(row)
+        bias = {t: b for t, b in (params.logit_bias or {}).items() if t < self.vocab_size}
+        if bias:
+            self.bias[row] = (np.fromiter(bias, np.int64, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)))
+        else:
+            self.bias.pop(row, None)
         self.masked[row] = never is not None
         if never is not None:
             if self.token_mask is None:
@@ -330,6 +344,12 @@ class SamplingState:
         pen = self.penalized[rows]
         if pen.any():
             md.penalties = self._penalties(batch, rows, pen, drafted)
+        biased = [i for i, row in enumerate(rows.tolist()) if row in self.bias] if self.bias else []
+        if biased:
+            ids, values = zip(*(self.bias[rows[i]] for i in biased))
+            md.bias_rows = torch.from_numpy(np.repeat(biased, [len(t) for t in ids])).to(dev)
+            md.bias_tokens = torch.from_numpy(np.concatenate(ids)).to(dev)
+            md.bias_values = torch.from_numpy(np.concatenate(values)).to(dev)
         masked = self.masked[rows]
         if masked.any():
             assert self.token_mask is not None

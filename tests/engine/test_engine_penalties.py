@@ -68,3 +68,29 @@ def test_penalties_match_references_in_a_mixed_batch_that_preempts(tiny_loaded, 
     # Each rule changed the output (so the comparisons above are not vacuous).
     assert [i for i in (0, 1, 3, 4) if outs[i] == plain[i]] == []
     assert_pool_clean(engine)
+
+
+def test_logit_bias_matches_transformers_sequence_bias(tiny_loaded, hf, hf_reference):
+    """logit_bias adds to the raw logits before the penalties, as transformers' ``sequence_bias`` of
+    one-token sequences does (and vLLM): greedy outputs equal, alone and beside a penalty."""
+    loaded = tiny_loaded(ARCH)
+    prompt_ids = [loaded.tokenizer.encode(p) for p in PROMPTS6[:3]]
+    plain = [hf_reference(ARCH, ids, MAX_TOKENS) for ids in prompt_ids]
+    biases = [
+        {plain[0][0]: -3.0, 7: 1.5},  # demotes the plain first token: the output must change
+        {plain[1][2]: -2.5, 11: 2.0, 40: -1.0},
+        {plain[2][0]: -4.0},
+    ]
+    params = [
+        _params(logit_bias=biases[0]),
+        _params(logit_bias=biases[1], repetition_penalty=1.3),
+        _params(logit_bias=biases[2], suppress_token_ids=[3]),
+    ]
+    outs = [o.outputs[0].token_ids for o in run_all(make_engine(loaded), PROMPTS6[:3], params)]
+    for i, (ids, p) in enumerate(zip(prompt_ids, params)):
+        expected = hf_greedy(
+            hf, ids, MAX_TOKENS, sequence_bias={(t,): b for t, b in p.logit_bias.items()},
+            repetition_penalty=p.repetition_penalty, suppress_tokens=p.suppress_token_ids or None,
+        )  # fmt: skip
+        assert outs[i] == expected, i
+        assert outs[i] != plain[i], i  # the bias mattered

@@ -446,23 +446,28 @@ def test_penalties_and_min_tokens_verify_exactly(factor, copying):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_suppressed_and_allowed_tokens_speculate(temperature, copying):
-    """Token masks do not depend on the position, so such requests speculate;
-    greedy ones keep their outputs, and no masked token is ever emitted."""
+def test_suppressed_and_allowed_tokens_and_biases_speculate(temperature, copying):
+    """Token masks and logit biases do not depend on the position, so such requests
+    speculate; greedy ones keep their outputs, no masked token is ever emitted and a
+    token biased by +100 is emitted every time."""
     loaded, _ = copying("llama", 0.0)
     prompt = _in_cycle(loaded)
     plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    cycle = set(_token_ids(run_all(make_engine(loaded), [prompt], plain))[0])
+    plain_ids = _token_ids(run_all(make_engine(loaded), [prompt], plain))[0]
+    cycle = set(plain_ids)
     outside = [t for t in range(20) if t not in cycle][:3]
     params = [
         SamplingParams(temperature=temperature, seed=3, max_tokens=16, ignore_eos=True, suppress_token_ids=outside),
         SamplingParams(temperature=temperature, seed=4, max_tokens=16, ignore_eos=True, allowed_token_ids=sorted(cycle)),
+        # Steers the copy off its cycle every few tokens: drafts are proposed, some rejected.
+        SamplingParams(temperature=temperature, seed=5, max_tokens=16, ignore_eos=True, logit_bias={min(cycle): -3.0}),
+        SamplingParams(temperature=temperature, seed=6, max_tokens=16, ignore_eos=True, logit_bias={outside[0]: 100}),
     ]
     engine = make_engine(loaded, speculative_config=NGRAM)
-    on = _token_ids(run_all(engine, [prompt, prompt], params))
-    assert not set(on[0]) & set(outside) and set(on[1]) <= cycle
+    on = _token_ids(run_all(engine, [prompt] * 4, params))
+    assert not set(on[0]) & set(outside) and set(on[1]) <= cycle and on[3] == [outside[0]] * 16
     if temperature == 0.0:
-        assert on == _token_ids(run_all(make_engine(loaded), [prompt, prompt], params))
+        assert on == _token_ids(run_all(make_engine(loaded), [prompt] * 4, params)) and on[2] != plain_ids
         assert engine.get_stats().num_accepted_tokens > 0
     assert engine.get_stats().num_draft_tokens > 0
     _assert_held_nothing(engine)

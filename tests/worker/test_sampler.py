@@ -194,3 +194,34 @@ def test_a_draw_follows_the_weights_and_never_takes_a_zero_one():
     # A row without weight (NaN logits) still gets an id inside the vocabulary: the batch's next step runs.
     nan = torch.full((1, 6), float("nan"))
     assert 0 <= draw_rows(nan, torch.tensor([0.5], dtype=torch.float64)).item() < 6
+
+
+def test_logit_bias_shifts_the_rows_that_carry_one():
+    """Each row's biases are added to its own logits (rows moved and repeated, as a verify step's are),
+    before temperature; logprobs stay the raw ones; a plain row is left alone."""
+    logits = _logits(4, seed=5)
+    biased = SamplingParams(temperature=0.5, logit_bias={3: 2.0, 40: -1.5})
+    low = int(logits[2].argmin())  # the greedy row's least likely token
+    greedy = SamplingParams(temperature=0.0, logit_bias={low: 100}, logprobs=1)
+    md = _metadata([biased, SamplingParams(temperature=0.5), greedy], order=[4, 1, 2])
+    assert not md.plain_greedy
+    expected = logits[:3].clone()
+    expected[0, 3] += 2.0
+    expected[0, 40] -= 1.5
+    expected[2, low] += 100
+    shifted = Sampler.apply_logit_rules(logits[:3].clone(), md)
+    assert torch.equal(shifted, expected)
+    assert torch.allclose(Sampler.target_probs(shifted, md)[0], torch.softmax(expected[0] / 0.5, -1))
+    out = Sampler()(logits[:3], md, torch.Generator().manual_seed(0))
+    assert int(out.sampled_token_ids[2]) == low
+    assert torch.allclose(out.sampled_logprobs[2], torch.log_softmax(logits[2], -1)[low])
+    # A biased row repeated per draft position (speculative verification) is biased in every copy.
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4)
+    state = SamplingState(max_num_reqs=4, vocab_size=V, eos_token_ids=[EOS], device=torch.device("cpu"))
+    batch.add_request("a", [1, 2, 3], 3, 0, [], biased)
+    state.set_row(0, biased)
+    md = state.metadata(batch, np.array([0, 0, 0]), ["a"] * 3, drafted=[[], [5], [5, 6]])
+    assert md.bias_rows.tolist() == [0, 0, 1, 1, 2, 2]
+    # A row that gets another request drops the bias.
+    state.set_row(0, SamplingParams(temperature=0.5))
+    assert state.metadata(batch, np.array([0]), ["a"]).bias_rows is None

@@ -24,7 +24,7 @@ from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadE
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLimits
 from omnistage.entrypoints.openai.metrics import ServerMetrics
-from omnistage.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo, unsupported
+from omnistage.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -107,8 +107,6 @@ def _penalty_kwargs(req: Any) -> dict[str, float]:
 
 def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """Map request fields onto ``SamplingParams``; unsupported knobs must be neutral."""
-    if req.logit_bias:
-        raise unsupported("logit_bias", "this server does not bias logits")
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -129,6 +127,7 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=req.logit_bias or None,
             **_penalty_kwargs(req),
         )
     except ValueError as exc:
@@ -222,7 +221,9 @@ def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:
     """A 400 for ``add_request`` refusing a request (too long, bad ids, bad params)."""
     msg = str(exc)
     lowered = msg.lower()
-    if "logprobs" in lowered:
+    if "logit_bias" in lowered:
+        param = "logit_bias"
+    elif "logprobs" in lowered:
         param = "logprobs"
     elif "kv blocks" in lowered:  # the pool cannot hold prompt + max_tokens at once
         param = "max_tokens"

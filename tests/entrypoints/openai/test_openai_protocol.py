@@ -123,3 +123,8 @@ def test_penalties_reach_sampling_params() -> None:
     if not names <= _PARAM_FIELDS:
         pytest.skip("SamplingParams has no penalty fields yet (they come with the sampler's change)")
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (1.5, -0.5, 1.3)
+
+
+def test_logit_bias_reaches_sampling_params_with_integer_ids() -> None:
+    assert build_sampling_params(_chat(logit_bias={"7": 2.5, "11": -100}), 4, None).logit_bias == {7: 2.5, 11: -100}
+    assert build_sampling_params(_chat(logit_bias={}), 4, None).logit_bias is None

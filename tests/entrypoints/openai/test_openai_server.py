@@ -347,3 +347,29 @@ def test_preparing_a_prompt_never_holds_up_the_engine(server: Server, http: http
         release.set()
         chat.join(60)
     assert result["chat"].status_code == 200
+
+
+def test_logit_bias_steers_greedy_tokens(server: Server, client: openai.OpenAI, http: httpx.Client) -> None:
+    """A +100 bias makes a token every greedy pick; -100 on the greedy first token leaves the runner-up
+    its logprobs named (OpenAI's token-id string keys, on both endpoints)."""
+    prompt = [5, 6, 7, 8]
+    plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=0.0, logprobs=2)
+    forced = 9
+    biased = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=4, temperature=0.0, logit_bias={str(forced): 100}
+    )
+    expected = http.post("/detokenize", json={"model": server.model, "tokens": [forced] * 4}).json()["prompt"]
+    assert biased.choices[0].text == expected != plain.choices[0].text
+    lp = plain.choices[0].logprobs
+    [first] = http.post("/tokenize", json={"prompt": lp.tokens[0], "add_special_tokens": False}).json()["tokens"]
+    runner_up = sorted(lp.top_logprobs[0], key=lp.top_logprobs[0].get)[0]  # the less likely of the top two
+    demoted = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=1, temperature=0.0, logit_bias={str(first): -100}
+    )
+    assert demoted.choices[0].text == runner_up
+    chat = client.chat.completions.create(
+        model=server.model, messages=MSG, max_tokens=3, temperature=0.0, logit_bias={str(forced): 100}
+    )
+    assert chat.choices[0].message.content == http.post(
+        "/detokenize", json={"model": server.model, "tokens": [forced] * 3}
+    ).json()["prompt"]
