@@ -57,6 +57,9 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} for it and the top-N at the
+    # position before it; None for the first token (nothing precedes it). Whole from the first output on.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Omni checkpoints: the spoken answer (1-D float32), once complete.
     audio: object | None = None
     sample_rate: int | None = None

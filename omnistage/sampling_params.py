@@ -92,7 +92,10 @@ class SamplingParams:
     before the penalties (as vLLM, and ``transformers``' ``sequence_bias``);
     token ids may come as decimal strings, as in OpenAI's JSON. Penalties,
     biases and token rules shape what is sampled; the reported logprobs stay
-    those of the model's raw distribution.
+    those of the model's raw distribution. ``prompt_logprobs`` asks for each
+    prompt token's logprob at the position before it (none for the first)
+    with the top-N there; such a request reads no prefix from the KV cache,
+    whose hits skip those positions (as in vLLM).
     """
 
     n: int = 1
@@ -107,6 +110,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides EOS
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    prompt_logprobs: int | None = None  # per prompt token after the first: its logprob and the top-N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0  # 1: off
@@ -163,6 +167,11 @@ class SamplingParams:
                 f"None or an integer in [0, {INT32_MAX}]",
             ),
             (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, INT32_MAX),
+                f"None or an integer in [0, {INT32_MAX}]",
+            ),
+            (
                 "repetition_penalty",
                 _float_in(self.repetition_penalty, FLOAT32_TINY, FLOAT32_MAX),
                 "a float > 0 that float32 holds (about 1.2e-38 to 3.4e38); 1 is off",
@@ -205,8 +214,10 @@ class SamplingParams:
         allowed ids all suppressed; with ``min_tokens``, which keeps the model's
         ``eos_token_ids`` and the stop ids from its first tokens, those too).
         """
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"SamplingParams.logprobs ({self.logprobs}) exceeds the vocabulary size {vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"SamplingParams.{name} ({value}) exceeds the vocabulary size {vocab_size}")
         if self.logit_bias:
             bad = sorted(t for t in self.logit_bias if t >= vocab_size)
             if bad:

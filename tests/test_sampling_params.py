@@ -24,6 +24,7 @@ BAD = {
     "max_tokens": [0, -1, INT32_MAX + 1, HUGE, 4.0, "4"],
     "min_tokens": [-1, INT32_MAX + 1, HUGE, 1.0, None],
     "logprobs": [-1, INT32_MAX + 1, HUGE, 1.0],
+    "prompt_logprobs": [-1, INT32_MAX + 1, 1.0, "2", True],
     "repetition_penalty": [0.0, -1.0, 1e-39, 1e39, NAN, INF, "1.1", None],
     "presence_penalty": [-2.01, 2.01, NAN, INF, -INF, None],
     "frequency_penalty": [-2.01, 2.01, NAN, INF, None],
@@ -47,6 +48,7 @@ GOOD = {
     "max_tokens": [None, 1, INT32_MAX],
     "min_tokens": [0, 16],
     "logprobs": [None, 0, 20],
+    "prompt_logprobs": [None, 0, 5],
     "repetition_penalty": [1e-30, 1.0, 1.05, 1e30],
     "presence_penalty": [-2.0, 0.0, 2.0],
     "frequency_penalty": [-2.0, 2.0],
@@ -106,6 +108,8 @@ def test_check_vocab():
     SamplingParams(logprobs=8, allowed_token_ids=[7], top_k=100).check_vocab(8)  # top_k past V keeps all
     with pytest.raises(ValueError, match=r"^SamplingParams\.logprobs "):
         SamplingParams(logprobs=9).check_vocab(8)
+    with pytest.raises(ValueError, match=r"^SamplingParams\.prompt_logprobs \(9\) exceeds the vocabulary size 8"):
+        SamplingParams(prompt_logprobs=9).check_vocab(8)
     with pytest.raises(ValueError, match=r"^SamplingParams\.allowed_token_ids .*\[8\]"):
         SamplingParams(allowed_token_ids=[1, 8]).check_vocab(8)
     with pytest.raises(ValueError, match=r"^SamplingParams\.logit_bias .*vocabulary size 8, got \[8, 9\]"):

@@ -29,7 +29,8 @@ class KVCacheManager:
       and stops at the first miss.
     - A hit covers full blocks only and never the whole request: it is capped
       at ``num_tokens - 1`` tokens so that the last known token is fed to the
-      model again and yields logits to sample from.
+      model again and yields logits to sample from. A request asking for
+      prompt logprobs gets no hit: its prompt's positions must all run.
     - Caching: a request's full blocks are registered once their KV is
       computed (``cache_blocks``, called after each step), including blocks
       filled by generated tokens. Registering after compute, not at
@@ -77,8 +78,8 @@ class KVCacheManager:
         """Longest cached prefix of a request that holds no blocks yet:
         ``(block ids, number of tokens)``. Pure lookup: takes no references
         (``allocate_slots`` does) and counts no stats."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # a hit would skip the positions whose prompt logprobs the request asks for
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[int] = []
         for block_hash in request.block_hashes[:max_blocks]:

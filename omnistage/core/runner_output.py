@@ -31,6 +31,10 @@ class ModelRunnerOutput:
     # Requests that verified drafts and asked for logprobs: one such entry per
     # token of ``spec_sampled_token_ids`` (each from the logits at its position).
     spec_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs and ran prompt positions this step:
+    # (index of the prompt token the first entry is for, one entry per prompt token
+    # from there on: its logprob, then the top-N at the position before it).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
     # Per-request per-token tensors for a downstream stage (prefix rows merged
     # in from the tensor prefix cache on a hit); None when no stage reads them.
     hidden_states: dict[str, torch.Tensor] | None = None

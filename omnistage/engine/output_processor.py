@@ -106,10 +106,17 @@ class RequestState:
     prompt_token_ids: list[int]
     completions: list[CompletionState]
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # the prompt's tokens scored so far
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.completions)
+
+    def add_prompt_logprobs(self, index: int, entries: list[dict[int, float]]) -> None:
+        """Entries for prompt tokens ``index, index + 1, ...``; those of tokens already scored
+        (a preempted request runs its prompt again) are dropped."""
+        assert self.prompt_logprobs is not None and index <= len(self.prompt_logprobs)
+        self.prompt_logprobs += entries[len(self.prompt_logprobs) - index :]
 
     def to_output(self) -> RequestOutput:
         first = self.completions[0]
@@ -127,6 +134,7 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=cached,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
         out.multimodal_output.update(first.stage_outputs)
         if self.finished:
@@ -166,6 +174,8 @@ class OutputProcessor:
         state = RequestState(
             request_id, prompt, list(children[0].prompt_token_ids), completions, RequestMetrics(arrival_time)
         )
+        if children[0].sampling_params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first token has no position before it
         self.states[request_id] = state
         for c in completions:
             self.children[c.request.request_id] = (state, c)
@@ -218,6 +228,10 @@ class OutputProcessor:
             entry = self.children.get(cid)
             if entry is not None:  # rows of a partial prefill chunk too: its request is not in ``updated``
                 entry[1].rows.append(rows)
+        for cid, (index, entries) in runner_output.prompt_logprobs.items():
+            entry = self.children.get(cid)
+            if entry is not None:  # of a partial prefill chunk too
+                entry[0].add_prompt_logprobs(index, entries)
         for cid, values in (runner_output.multimodal_outputs or {}).items():
             entry = self.children.get(cid)
             if entry is not None:

@@ -329,11 +329,14 @@ class StageEngine:
             self.remote_encoder.submit([c.request_id for c in children], inputs.mm_features, held)
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """Per-child copy: ``n=1``, seed ``seed + index``, and the model's
-        extra EOS ids (beyond the primary one) as stop tokens."""
+        """Per-child copy: ``n=1``, seed ``seed + index``, prompt logprobs for the
+        first child only, and the model's extra EOS ids (beyond the primary one)
+        as stop tokens."""
         changes: dict[str, Any] = {"n": 1}
         if params.seed is not None:
             changes["seed"] = params.seed + index
+        if index and params.prompt_logprobs is not None:
+            changes["prompt_logprobs"] = None  # the same for every completion: the first computes them
         extra_eos = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
         if extra_eos and not params.ignore_eos:
             changes["stop_token_ids"] = list(params.stop_token_ids) + extra_eos

@@ -34,6 +34,10 @@ from omnistage.worker.tensor_prefix_cache import StepTensorCache
 
 logger = logging.getLogger(__name__)
 
+# Prompt positions whose logits are made at once for prompt logprobs: [128, V] fp32 is 25 MB at
+# V = 49k, 78 MB at Qwen's 152k (a whole 8k-token chunk's would be 1.6 and 5 GB).
+PROMPT_LOGPROBS_ROWS = 128
+
 
 @dataclass
 class StepModelInputs:
@@ -316,6 +320,7 @@ class ModelRunner:
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, metadata, self.kv_caches, inputs_embeds=inputs.inputs_embeds
         )
+        prompt_logprobs = self._prompt_logprobs(step, hidden)
         if drafts:
             out = self._sample_with_drafts(step, hidden, drafts)
             # From here on only verified tokens count: rejected drafts' rows never
@@ -335,6 +340,7 @@ class ModelRunner:
         rows = self._per_token_rows(step, *pending_rows) if pending_rows else {}
         if rows:
             out.hidden_states = rows
+        out.prompt_logprobs = prompt_logprobs
         if self._deferred_keys:
             # Known only now (they depend on the sampled tokens; the model may also need
             # them for its next inputs): staged until the request finishes, dropped if it
@@ -347,6 +353,34 @@ class ModelRunner:
                 step, hidden, self.input_batch, so.draft_token_requests, self.model_state
             )
         out.failed_req_ids = dict(self._failed)
+        return out
+
+    def _prompt_logprobs(self, step: BatchStep, hidden: torch.Tensor) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """For the requests that ask: each prompt token's logprob (the raw log-softmax at the
+        position before it, as sampled tokens report theirs) and the top-N there, for the
+        positions this step ran (``ModelRunnerOutput.prompt_logprobs``)."""
+        top_n = self.sampling_state.num_prompt_logprobs[step.rows]
+        start = step.num_computed_tokens
+        # Position p scores prompt token p + 1: positions up to the prompt's second to last.
+        count = np.minimum(start + step.num_scheduled_tokens, step.prefill_lens - 1) - start
+        out = {}
+        for i in np.flatnonzero((top_n >= 0) & (count > 0)).tolist():
+            first, n, k = int(step.query_start_loc[i]), int(count[i]), int(top_n[i])
+            targets = self.input_batch.token_ids_cpu[step.rows[i], start[i] + 1 : start[i] + 1 + n].tolist()
+            entries: list[dict[int, float]] = []
+            for lo in range(0, n, PROMPT_LOGPROBS_ROWS):
+                part = targets[lo : lo + PROMPT_LOGPROBS_ROWS]
+                logits = self.model.compute_logits(hidden[first + lo : first + lo + len(part)])
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                ids = torch.tensor(part, device=logprobs.device)
+                chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+                entries += [{t: v} for t, v in zip(part, chosen)]
+                if k:
+                    values, tokens = logprobs.topk(k, dim=-1)
+                    for entry, top_ids, top_lp in zip(entries[lo:], tokens.tolist(), values.tolist()):
+                        for t, v in zip(top_ids, top_lp):
+                            entry.setdefault(t, v)
+            out[step.req_ids[i]] = (int(start[i]) + 1, entries)
         return out
 
     def _verified(

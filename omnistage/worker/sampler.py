@@ -229,6 +229,7 @@ class SamplingState:
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: not asked (read by the runner)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.banned: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
@@ -251,6 +252,7 @@ class SamplingState:
         self.min_p[row] = params.min_p
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         self.seeded[row] = params.seed is not None
         if params.min_tokens > 0:
             eos = [] if params.ignore_eos else self.eos_token_ids

@@ -9,6 +9,7 @@ the whole call with a 400 and the first one is aborted, not left running.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -94,8 +95,6 @@ class CompletionServing:
             raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "only best_of == n (or unset) is accepted")
-        if req.echo and req.logprobs is not None:
-            raise unsupported("echo", "echo with logprobs needs prompt logprobs, which the engine does not compute")
         prompts = normalize_prompts(req.prompt)
         salted = [salt_prompt(p, req.cache_salt) for p in prompts]
         base_id = new_id("cmpl")
@@ -103,6 +102,8 @@ class CompletionServing:
         params_of = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
         await self._check_context(prompts, req.max_tokens, req.min_tokens, params_of)
         params = build_sampling_params(req, req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         # Submit every prompt at once (the engine thread takes them in one turn),
         # then, if any was refused, abort the ones that got in.
         results = await asyncio.gather(
@@ -125,7 +126,7 @@ class CompletionServing:
             return JSONResponse({}, status_code=499)
         record_finished(ctx, ENDPOINT, finals)
         choices = [
-            self._choice(p_idx * req.n + c.index, c, echoes[p_idx], req)
+            self._choice(p_idx * req.n + c.index, out, c, echoes[p_idx], req)
             for p_idx, out in enumerate(finals)
             for c in out.outputs
         ]
@@ -179,23 +180,47 @@ class CompletionServing:
                     self.ctx.client.abort(rid)
         return [f for f in finals if f is not None]
 
-    def _logprobs(self, c: CompletionOutput, cursor: _ChoiceCursor, top_n: int) -> CompletionLogprobs:
-        """Legacy logprobs for the tokens after ``cursor.tokens``; advances the text offset."""
+    def _add_token(
+        self, lp: CompletionLogprobs, token: int, entry: dict[int, float] | None, top_n: int, offset: int
+    ) -> int:
+        """One token's legacy logprobs (none for an echoed prompt's first token, whose ``entry`` is
+        None) at text ``offset``; returns the offset after it."""
         tok = self.ctx.token_str
-        lp = CompletionLogprobs()
-        for tid, entry in zip(c.token_ids[cursor.tokens:], (c.logprobs or [])[cursor.tokens:]):
-            s = tok(tid)
-            lp.tokens.append(s)
-            lp.token_logprobs.append(clamp_logprob(entry.get(tid, float("-inf"))))
+        s = tok(token)
+        lp.tokens.append(s)
+        if entry is None:
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+        else:
+            lp.token_logprobs.append(clamp_logprob(entry.get(token, float("-inf"))))
             lp.top_logprobs.append({tok(t): clamp_logprob(v) for t, v in top_entries(entry, top_n)})
-            lp.text_offset.append(cursor.text_offset)
-            cursor.text_offset += len(s)
+        lp.text_offset.append(offset)
+        return offset + len(s)
+
+    def _prompt_logprobs(self, out: RequestOutput, top_n: int) -> CompletionLogprobs:
+        """Legacy logprobs of an echoed prompt (its tokens' offsets count from 0)."""
+        lp, offset = CompletionLogprobs(), 0
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+            offset = self._add_token(lp, token, entry, top_n, offset)
         return lp
 
-    def _choice(self, index: int, c: CompletionOutput, echo: str, req: CompletionRequest) -> CompletionChoice:
+    def _logprobs(
+        self, c: CompletionOutput, cursor: _ChoiceCursor, top_n: int, lp: CompletionLogprobs | None = None
+    ) -> CompletionLogprobs:
+        """Legacy logprobs for the tokens after ``cursor.tokens`` (appended to ``lp``, the echoed
+        prompt's, when given); advances the text offset."""
+        lp = CompletionLogprobs() if lp is None else lp
+        for token, entry in zip(c.token_ids[cursor.tokens:], (c.logprobs or [])[cursor.tokens:]):
+            cursor.text_offset = self._add_token(lp, token, entry, top_n, cursor.text_offset)
+        return lp
+
+    def _choice(
+        self, index: int, out: RequestOutput, c: CompletionOutput, echo: str, req: CompletionRequest
+    ) -> CompletionChoice:
         lp = None
         if req.logprobs is not None:
-            lp = self._logprobs(c, _ChoiceCursor(len(echo)), req.logprobs)
+            prompt_lp = self._prompt_logprobs(out, req.logprobs) if req.echo else None
+            lp = self._logprobs(c, _ChoiceCursor(len(echo)), req.logprobs, prompt_lp)
         return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason)
 
     async def _stream(
@@ -217,8 +242,10 @@ class CompletionServing:
         def chunk(choices: list[CompletionChoice], usage: Any = None) -> bytes:
             return sse(CompletionResponse(id=base_id, created=created, model=model, choices=choices, usage=usage))
 
+        # An echo with logprobs waits for its prompt's logprobs, which come with the first output.
+        echo_with_logprobs = req.echo and req.logprobs is not None
         try:
-            if req.echo:
+            if req.echo and not echo_with_logprobs:
                 echo_choices = [
                     CompletionChoice(index=p * req.n + k, text=echo)
                     for p, echo in enumerate(echoes)
@@ -233,15 +260,24 @@ class CompletionServing:
                 choices = []
                 for c in out.outputs:
                     index = p_idx * req.n + c.index
-                    cur = cursors.setdefault(index, _ChoiceCursor(len(echoes[p_idx])))
+                    lead, lead_lp = "", None  # the echoed prompt, sent with its choice's first output
+                    cur = cursors.get(index)
+                    if cur is None:
+                        cur = cursors[index] = _ChoiceCursor(len(echoes[p_idx]))
+                        if echo_with_logprobs:
+                            lead, lead_lp = echoes[p_idx], self._prompt_logprobs(out, req.logprobs)
                     if cur.done:
                         continue
                     delta = c.text[cur.chars:]
                     new_tokens = len(c.token_ids) - cur.tokens
-                    if not delta and not new_tokens and c.finish_reason is None:
+                    if not lead and not delta and not new_tokens and c.finish_reason is None:
                         continue
-                    lp = self._logprobs(c, cur, req.logprobs) if req.logprobs is not None and new_tokens else None
-                    choices.append(CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=c.finish_reason))
+                    lp = lead_lp
+                    if req.logprobs is not None and new_tokens:
+                        lp = self._logprobs(c, cur, req.logprobs, lead_lp)
+                    choices.append(
+                        CompletionChoice(index=index, text=lead + delta, logprobs=lp, finish_reason=c.finish_reason)
+                    )
                     cur.chars, cur.tokens = len(c.text), len(c.token_ids)
                     cur.done = c.finish_reason is not None
                 if choices:

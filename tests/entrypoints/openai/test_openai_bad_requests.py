@@ -194,7 +194,6 @@ CASES = [
     Case("penalty out of range", CHAT, chat(presence_penalty=2.5), 400, "less than or equal to 2", "presence_penalty"),
     Case("logit_bias key not a token id", CHAT, chat(logit_bias={"five": 1.0}), 400, "'five'", "logit_bias"),
     Case("logit_bias id out of vocab", COMPL, compl(logit_bias={"5": 1.0, str(10**9): 2.0}), 400, "vocabulary", "logit_bias"),
-    Case("echo with logprobs", COMPL, compl(echo=True, logprobs=1), 400, "echo", "echo"),
     Case("suffix unsupported", COMPL, compl(suffix="x"), 400, "suffix", "suffix"),
     Case("body too large", CHAT, b"{" + b" " * (TEST_MAX_BODY_BYTES + 10) + b"}", 413, "exceeds the limit", code="request_too_large"),
     Case("wrong method", CHAT, None, 405, "Method Not Allowed", method="GET"),

@@ -373,3 +373,36 @@ def test_logit_bias_steers_greedy_tokens(server: Server, client: openai.OpenAI, 
     assert chat.choices[0].message.content == http.post(
         "/detokenize", json={"model": server.model, "tokens": [forced] * 3}
     ).json()["prompt"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(server: Server, client: openai.OpenAI, tiny_checkpoints):
+    """The loglikelihood call of evaluation harnesses (echo, logprobs=1, max_tokens=1): every prompt token
+    after the first gets transformers' log-softmax at the position before it; the first gets none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"], dtype=torch.float32).eval()
+    prompt = [5, 6, 7, 8, 9, 30, 31, 5, 6]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    out = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=1, temperature=0.0, logprobs=1, echo=True
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [ref[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+    assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(expected, abs=1e-4)
+    assert [max(t.values()) for t in lp.top_logprobs[1 : len(prompt)]] == pytest.approx(
+        ref[: len(prompt) - 1].max(-1).values.tolist(), abs=1e-4
+    )
+    assert lp.token_logprobs[-1] == pytest.approx(ref[-1].max().item(), abs=1e-4)  # the greedy token's
+    assert lp.text_offset == sorted(lp.text_offset) and out.choices[0].text.endswith(lp.tokens[-1])
+    streamed = list(
+        client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=3, temperature=0.0, logprobs=1, echo=True, stream=True
+        )
+    )
+    first = streamed[0].choices[0]
+    assert first.logprobs.token_logprobs[: len(prompt)] == lp.token_logprobs[: len(prompt)]
+    assert "".join(c.choices[0].text for c in streamed if c.choices).startswith(out.choices[0].text)
