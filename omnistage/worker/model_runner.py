@@ -360,6 +360,8 @@ class ModelRunner:
         position before it, as sampled tokens report theirs) and the top-N there, for the
         positions this step ran (``ModelRunnerOutput.prompt_logprobs``)."""
         top_n = self.sampling_state.num_prompt_logprobs[step.rows]
+        if top_n.max(initial=-1) < 0:  # nobody asks: the common step pays one array read
+            return {}
         start = step.num_computed_tokens
         # Position p scores prompt token p + 1: positions up to the prompt's second to last.
         count = np.minimum(start + step.num_scheduled_tokens, step.prefill_lens - 1) - start
