@@ -130,7 +130,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     # Token ids are checked against the vocabulary by the engine (any int, however large).
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: StrictInt | None = Field(16, ge=0, le=INT64_MAX)  # 0: the echoed prompt alone
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -73,6 +73,26 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
+_OutputView = Callable[[RequestOutput], RequestOutput]
+
+
+def _as_is(out: RequestOutput) -> RequestOutput:
+    return out
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """``out`` without the tokens its completions generated (``max_tokens`` 0 with ``echo``)."""
+    completions = [
+        dataclasses.replace(
+            c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+            cumulative_logprob=None if c.logprobs is None else 0.0,
+            finish_reason="length" if c.finished else None, stop_reason=None,
+        )  # fmt: skip
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=completions)
+
+
 class _ChoiceCursor:
     """What has been sent of one choice: characters, tokens, text offset for logprobs."""
 
@@ -95,13 +115,22 @@ class CompletionServing:
             raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "only best_of == n (or unset) is accepted")
+        # max_tokens 0 with echo: the prompt (and its logprobs) alone, as OpenAI's legacy API and vLLM
+        # answer it. The engine samples one token, which is not returned.
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise bad_request("'max_tokens' 0 asks for no completion: it needs 'echo' true", param="max_tokens")
+        if echo_only and req.min_tokens:
+            raise bad_request("'min_tokens' must be 0 when 'max_tokens' is 0", param="min_tokens")
+        max_tokens = 1 if echo_only else req.max_tokens
+        view = _prompt_only if echo_only else _as_is
         prompts = normalize_prompts(req.prompt)
         salted = [salt_prompt(p, req.cache_salt) for p in prompts]
         base_id = new_id("cmpl")
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         params_of = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
-        await self._check_context(prompts, req.max_tokens, req.min_tokens, params_of)
-        params = build_sampling_params(req, req.max_tokens, req.logprobs)
+        await self._check_context(prompts, max_tokens, req.min_tokens, params_of)
+        params = build_sampling_params(req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         # Submit every prompt at once (the engine thread takes them in one turn),
@@ -119,8 +148,8 @@ class CompletionServing:
         streams: list[RequestStream] = list(results)  # type: ignore[arg-type]
         echoes = [self._echo_text(p) if req.echo else "" for p in prompts]
         if req.stream:
-            return SSEResponse(self._stream(req, model, base_id, ids, streams, echoes, clock))
-        disconnected, finals = await until_disconnect(raw_request, self._collect(ids, streams, clock))
+            return SSEResponse(self._stream(req, model, base_id, ids, streams, echoes, clock, view))
+        disconnected, finals = await until_disconnect(raw_request, self._collect(ids, streams, clock, view))
         if disconnected:
             ctx.metrics.record_request(ENDPOINT, "aborted")
             return JSONResponse({}, status_code=499)
@@ -166,12 +195,14 @@ class CompletionServing:
             return prompt
         return self.ctx.client.engine.tokenizer.decode(prompt, skip_special_tokens=False)
 
-    async def _collect(self, ids: list[str], streams: list[RequestStream], clock: TTFTClock) -> list[RequestOutput]:
+    async def _collect(
+        self, ids: list[str], streams: list[RequestStream], clock: TTFTClock, view: _OutputView
+    ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async for i, out in merge_streams(streams):
                 clock.saw(out)
-                finals[i] = out
+                finals[i] = view(out)
         except EngineError as exc:
             raise engine_failure(exc) from None
         finally:
@@ -232,6 +263,7 @@ class CompletionServing:
         streams: list[RequestStream],
         echoes: list[str],
         clock: TTFTClock,
+        view: _OutputView,
     ) -> AsyncIterator[bytes]:
         ctx = self.ctx
         created = int(time.time())
@@ -256,7 +288,7 @@ class CompletionServing:
                     yield chunk(echo_choices)
             async for p_idx, out in merge_streams(streams):
                 clock.saw(out)
-                finals[p_idx] = out
+                finals[p_idx] = out = view(out)
                 choices = []
                 for c in out.outputs:
                     index = p_idx * req.n + c.index

@@ -125,7 +125,7 @@ def _numeric_cases() -> list[Case]:
         (CHAT, "min_tokens", {}, -1, "greater than or equal to 0"),
         (CHAT, "max_tokens", {}, 0, "greater than or equal to 1"),
         (CHAT, "max_tokens", {}, 2**63, "less than or equal to 9223372036854775807"),
-        (COMPL, "max_tokens", {}, -3, "greater than or equal to 1"),
+        (COMPL, "max_tokens", {}, -3, "greater than or equal to 0"),
         (CHAT, "max_completion_tokens", {}, 0, "greater than or equal to 1"),
         (CHAT, "max_completion_tokens", {}, huge, "less than or equal to 9223372036854775807"),
         (CHAT, "top_logprobs", {"logprobs": True}, 21, "less than or equal to 20"),

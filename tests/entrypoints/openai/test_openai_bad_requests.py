@@ -169,6 +169,8 @@ CASES = [
         "max_tokens beyond the context", CHAT, chat(max_tokens=10**12), 400, "leaves room for at most", "max_tokens",
         "context_length_exceeded",
     ),
+    Case("completions max_tokens 0 without echo", COMPL, compl(max_tokens=0), 400, "needs 'echo'", "max_tokens"),
+    Case("max_tokens 0 with min_tokens", COMPL, compl(max_tokens=0, echo=True, min_tokens=2), 400, "min_tokens", "min_tokens"),
     Case("completions max_tokens beyond the context", COMPL, compl(max_tokens=10**12), 400, "max_model_len", "max_tokens"),
     Case("min_tokens beyond the context", COMPL, compl(max_tokens=None, min_tokens=10**6), 400, "min_tokens", "min_tokens"),
     Case("token prompt too long", COMPL, compl(prompt=LONG_IDS), 400, "max_model_len", "prompt", "context_length_exceeded"),

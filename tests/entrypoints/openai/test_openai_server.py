@@ -406,3 +406,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(server: Server, cl
     first = streamed[0].choices[0]
     assert first.logprobs.token_logprobs[: len(prompt)] == lp.token_logprobs[: len(prompt)]
     assert "".join(c.choices[0].text for c in streamed if c.choices).startswith(out.choices[0].text)
+    # max_tokens 0 (OpenAI's legacy form of the same call): the prompt alone, scored alike.
+    for stream in (False, True):
+        alone = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=0, temperature=0.0, logprobs=1, echo=True, stream=stream
+        )
+        chunks = list(alone) if stream else [alone]
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        scored = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert "".join(texts) == out.choices[0].text.removesuffix(lp.tokens[-1]), stream
+        assert [v for s in scored for v in s.token_logprobs] == lp.token_logprobs[: len(prompt)], stream
+        assert chunks[-1].choices[0].finish_reason == "length"
+    usage = client.completions.create(model=server.model, prompt=prompt, max_tokens=0, echo=True).usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 0)
