@@ -216,3 +216,17 @@ def test_cli_generate_writes_the_spoken_answer(omni_dir: Any, tmp_path: Any, che
     assert row["sample_rate"] == 24000
     with wave.open(row["audio_path"], "rb") as f:
         assert f.getframerate() == 24000 and f.getnchannels() == 1 and f.getnframes() > 0
+
+
+def test_prompt_logprobs_come_with_the_spoken_answer(llm: LLM, chelsie: Any, hf_model: Any) -> None:
+    """The thinker's prompt logprobs reach the caller (transformers' thinker log-softmax) and the
+    answer, speech included, is the one without them."""
+    out = llm.generate(PROMPT, dataclasses.replace(SP, prompt_logprobs=1))[0]
+    assert_same_answer(out, chelsie)
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model.thinker(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    got = [out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))]
+    assert got == pytest.approx([ref[j - 1, ids[j]].item() for j in range(1, len(ids))], abs=1e-4)
+    assert_nothing_held(llm)
