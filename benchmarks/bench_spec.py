@@ -51,7 +51,8 @@ the last first token to the last finish.
 Run: ``python benchmarks/bench_spec.py`` (``--quick`` for a smaller run: its
 32 tokens are mostly the draft policy's shadow warm-up, so the copy rows read
 low there; the targets are for the full run; ``--threads 1`` on a loaded
-shared machine).
+shared machine; ``--only ngram/copy/8 --repeat 9`` for one row, about a
+minute).
 """
 
 from __future__ import annotations
@@ -249,6 +250,13 @@ def main() -> None:
         default=None,
         help="new tokens per request (default 96, quick 32)",
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="METHOD/WORKLOAD/BATCH",
+        help="run only this row (e.g. ngram/copy/8, ngram/copy:json/8, eagle-rand/chat/1); repeatable",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,6 +286,12 @@ def main() -> None:
     rows = []
     shapes = [(m, kind, b) for m, kind in (("ngram", "copy"), ("ngram", "chat"), ("eagle-rand", "chat")) for b in (1, 8)]
     shapes[2:2] = [("ngram", f"copy:{task}", 8) for task in COPY_TASKS]  # what bounds the mixed batch
+    if args.only:
+        known = {f"{m}/{k}/{b}": (m, k, b) for m, k, b in shapes}
+        unknown = [row for row in args.only if row not in known]
+        if unknown:
+            ap.error(f"--only {unknown[0]!r} is no row; the rows are {', '.join(known)}")
+        shapes = [known[row] for row in args.only]
     recorder = fresh()  # the ceiling's futures: each prompt set's greedy outputs, before it is measured
     for method, kind, batch in shapes:
         engines = {"off": fresh(), "spec": fresh(configs[method])}
