@@ -302,7 +302,8 @@ class EngineArgs:
         num_blocks = min(budget // bytes_per_block, self.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
             raise ValueError(
-                f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes; raise kv_cache_memory_bytes"
+                f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes (EngineArgs.block_size="
+                f"{self.block_size} tokens); lower block_size or raise kv_cache_memory_bytes"
             )
         return int(num_blocks)
 

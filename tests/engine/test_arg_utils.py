@@ -143,6 +143,12 @@ def test_a_kv_pool_larger_than_the_machine_is_refused():
         EngineArgs(num_kv_blocks=10**9).resolve_num_kv_blocks(per_block, 8192)
 
 
+def test_a_block_larger_than_the_kv_budget_names_block_size():
+    per_token = 46080  # the embedded default's KV bytes per token
+    with pytest.raises(ValueError, match=r"holds no block of 46080000000 bytes \(EngineArgs.block_size=1000000 tokens\)"):
+        EngineArgs(block_size=10**6).resolve_num_kv_blocks(per_token * 10**6, 8192)
+
+
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "meta"])
 def test_unusable_devices_are_refused(device):
     with pytest.raises(ValueError, match="EngineArgs.device"):
