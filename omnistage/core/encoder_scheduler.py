@@ -153,20 +153,7 @@ class EncoderScheduler:
                 self.num_hits += 1
                 plan.pinned.append(k)
                 continue
-            n = pos.get_num_embeds()
-            chosen_rows = plan.num_embeds + plan.num_load_embeds
-            if feature.identifier in self.remote_ready:
-                if manager.can_allocate(request, k, n, chosen_rows):
-                    plan.to_load.append(k)
-                    plan.num_load_embeds += n
-                    chosen.add(feature.identifier)
-                    continue
-            elif feature.identifier not in self.remote_pending and manager.can_allocate(
-                request, k, self.budget_left - plan.num_embeds, chosen_rows
-            ):
-                plan.to_encode.append(k)
-                plan.num_embeds += n
-                chosen.add(feature.identifier)
+            if self._take(request, k, plan, chosen):
                 continue
             # Not this step: compute only the tokens before the item. Every item
             # planned so far lies before it (spans are sorted and disjoint).
@@ -179,26 +166,37 @@ class EncoderScheduler:
                 feature = features[k]
                 if k in held or k in plan.pinned or k in plan.to_encode or k in plan.to_load or k in plan.same_content:
                     continue
-                n, chosen_rows = feature.mm_position.get_num_embeds(), plan.num_embeds + plan.num_load_embeds
                 if feature.identifier in chosen:
                     plan.same_content.append(k)
                 elif manager.check_and_update_cache(request, k):
                     plan.pinned.append(k)
-                elif feature.identifier in self.remote_ready:  # a worker published it: loaded, never encoded again
-                    if manager.can_allocate(request, k, n, chosen_rows):
-                        plan.to_load.append(k)
-                        plan.num_load_embeds += n
-                        chosen.add(feature.identifier)
-                elif feature.identifier not in self.remote_pending and manager.can_allocate(
-                    request, k, self.budget_left - plan.num_embeds, chosen_rows
-                ):
-                    plan.to_encode.append(k)
-                    plan.num_embeds += n
-                    chosen.add(feature.identifier)
+                else:
+                    self._take(request, k, plan, chosen)
         if num_new_tokens == 0:
             self.release(request, plan)
             return 0, None
         return num_new_tokens, plan if plan else None
+
+    def _take(self, request: Request, k: int, plan: EncoderPlan, chosen: set[str]) -> bool:
+        """Plan item ``k``, which no cache holds, if the step can have it: loaded when a worker
+        published it (never encoded again), else encoded here unless a worker is still on it,
+        within the encoder cache's room and the step's encoder budget. Whether it was."""
+        feature = request.mm_features[k]
+        n, chosen_rows = feature.mm_position.get_num_embeds(), plan.num_embeds + plan.num_load_embeds
+        if feature.identifier in self.remote_ready:
+            if not self.manager.can_allocate(request, k, n, chosen_rows):
+                return False
+            plan.to_load.append(k)
+            plan.num_load_embeds += n
+        elif feature.identifier in self.remote_pending or not self.manager.can_allocate(
+            request, k, self.budget_left - plan.num_embeds, chosen_rows
+        ):
+            return False
+        else:
+            plan.to_encode.append(k)
+            plan.num_embeds += n
+        chosen.add(feature.identifier)
+        return True
 
     def waits_on_worker(self, request: Request, start: int) -> bool:
         """Whether the request's next item from position ``start`` is one an
