@@ -187,7 +187,7 @@ def propose_what_is_kept(engine: LLMEngine, futures: list[list[int]]) -> None:
         k = min(NGRAM["num_speculative_tokens"], len(future) - 1)
         if k < 1:
             return []
-        drafts = propose_ngram(request.all_token_ids, k, NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"])
+        drafts, _ = propose_ngram(request.all_token_ids, k, NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"])
         return drafts[: next((j for j, t in enumerate(drafts) if t != future[j]), len(drafts))]
 
     engine.scheduler._propose = propose

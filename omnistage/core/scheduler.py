@@ -418,11 +418,10 @@ class Scheduler:
         verified ones counts too)."""
         cfg = self.config.speculative_config
         ids = request.all_token_ids
-        proposal = _through_stop(
-            propose_ngram(ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids), request
-        )
+        drafts, source = propose_ngram(ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.banned_token_ids)
+        proposal = _through_stop(drafts, request)
         assert self.draft_policy is not None
-        self.draft_policy.shadow(request.draft_state, proposal)
+        self.draft_policy.shadow(request.draft_state, proposal, from_prompt=0 <= source < request.num_prompt_tokens)
         return proposal
 
     def _max_drafts(self, request: Request) -> int:

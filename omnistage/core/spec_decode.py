@@ -115,9 +115,11 @@ def take_worker_drafts(drafts: Sequence[int], k: int, banned: Collection[int] = 
 
 def propose_ngram(
     token_ids: Sequence[int], k: int, min_n: int, max_n: int, banned: Collection[int] = ()
-) -> list[int]:
+) -> tuple[list[int], int]:
     """Prompt lookup: up to ``k`` tokens that followed an earlier occurrence of
-    the longest suffix n-gram (``min_n <= n <= max_n``) of ``token_ids``.
+    the longest suffix n-gram (``min_n <= n <= max_n``) of ``token_ids``, and
+    where they start in ``token_ids`` (-1 when nothing matches), which tells a
+    copy of the prompt from a repeat of the request's own output.
 
     Policy: the longest n that matches wins; among its matches the latest
     one (the most recent context is the likeliest to repeat). The draft is cut
@@ -126,7 +128,7 @@ def propose_ngram(
     """
     num = len(token_ids)
     if k < 1 or num < min_n + 1:
-        return []
+        return [], -1
     tokens = token_ids
     last = tokens[-1]
     best_len, best_end = 0, -1
@@ -144,9 +146,9 @@ def propose_ngram(
             if length == max_n:
                 break
     if best_len < min_n:
-        return []
+        return [], -1
     draft = list(tokens[best_end + 1 : best_end + 1 + k])
     for i, t in enumerate(draft):
         if t in banned:
-            return draft[:i]
-    return draft
+            return draft[:i], best_end + 1
+    return draft, best_end + 1

@@ -124,16 +124,18 @@ def test_cli_flag_takes_json(capsys):
 
 
 def test_propose_ngram_longest_then_latest_match():
+    """Drafts, and where they start in the history (which tells a copy of the prompt from a
+    repeat of the output)."""
     # Suffix [1, 2] occurs at 0 (then 3) and at 4 (then 9): latest wins.
-    assert propose_ngram([1, 2, 3, 7, 1, 2, 9, 8, 1, 2], 2, 1, 3) == [9, 8]
+    assert propose_ngram([1, 2, 3, 7, 1, 2, 9, 8, 1, 2], 2, 1, 3) == ([9, 8], 6)
     # The 3-gram [7, 1, 2] beats the later 2-gram match.
-    assert propose_ngram([7, 1, 2, 5, 6, 1, 2, 4, 7, 1, 2], 2, 1, 3) == [5, 6]
-    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
-    assert propose_ngram([5, 6, 5], 4, 1, 3) == [6, 5]  # cut at the end of the history
-    assert propose_ngram([5, 6, 5], 4, 2, 3) == []  # below prompt_lookup_min
+    assert propose_ngram([7, 1, 2, 5, 6, 1, 2, 4, 7, 1, 2], 2, 1, 3) == ([5, 6], 3)
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == ([], -1)  # nothing repeats
+    assert propose_ngram([5, 6, 5], 4, 1, 3) == ([6, 5], 1)  # cut at the end of the history
+    assert propose_ngram([5, 6, 5], 4, 2, 3) == ([], -1)  # below prompt_lookup_min
     # Placeholder ids are never proposed: the draft stops before the first one.
-    assert propose_ngram([4, 8, 99, 99, 3, 4], 4, 1, 2, banned={99}) == [8]
-    assert propose_ngram([4, 99, 3, 4], 4, 1, 2, banned={99}) == []
+    assert propose_ngram([4, 8, 99, 99, 3, 4], 4, 1, 2, banned={99}) == ([8], 1)
+    assert propose_ngram([4, 99, 3, 4], 4, 1, 2, banned={99})[0] == []
 
 
 # -- greedy exactness -----------------------------------------------------------------
@@ -668,9 +670,9 @@ def test_vision_language_outputs_equal_and_placeholders_never_proposed(tmp_path)
     first_pad = min(i for i, t in enumerate(ids) if t in banned)
     history = ids + ids[first_pad - 2 : first_pad]
     cfg = engine.scheduler.config.speculative_config
-    unbanned = propose_ngram(history, 4, 1, 3)
+    unbanned, _ = propose_ngram(history, 4, 1, 3)
     assert len(unbanned) == 4 and set(unbanned) <= banned
-    assert propose_ngram(history, 4, 1, 3, cfg.banned_token_ids) == []
+    assert propose_ngram(history, 4, 1, 3, cfg.banned_token_ids)[0] == []
     _assert_held_nothing(engine)
 
 
@@ -719,6 +721,31 @@ def test_scheduler_rolls_back_rejected_drafts_and_caches_only_verified_blocks():
             sched.update_from_output(so, bad)
 
 
+def test_scheduler_tells_a_copy_of_the_prompt_from_a_repeat_of_the_reply():
+    """The draft policy prices a proposal copying the prompt apart from one repeating the
+    request's own output: the scheduler's lookup says which each is."""
+    from omnistage.core.request import Request
+    from omnistage.core.runner_output import ModelRunnerOutput
+
+    sched = _spec_scheduler()
+    copy = Request("c", [1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=20))
+    repeat = Request("r", [6, 7, 8], SamplingParams(max_tokens=20))
+    sched.add_request(copy)
+    sched.add_request(repeat)
+    seen = []
+    for c, r in ((3, 9), (4, 10), (5, 9), (1, 11)):
+        so = sched.schedule()
+        drafts = so.scheduled_spec_decode_tokens
+        seen.append({q.request_id: (list(q.draft_state.shadow), q.draft_state.from_prompt) for q in (copy, repeat)})
+        spec = {rid: [tok] for rid, tok in (("c", c), ("r", r)) if drafts.get(rid)}  # every draft rejected
+        out = ModelRunnerOutput(req_ids=["c", "r"], sampled_token_ids={"c": c, "r": r}, spec_sampled_token_ids=spec)
+        sched.update_from_output(so, out)
+    # After the prefill's token 3, [1, 2, 3] matches the prompt's start: drafts copied from it.
+    assert seen[1]["c"] == ([4, 5, 1, 2], True)  # k = 4
+    assert seen[1]["r"] == ([], False)  # [6, 7, 8, 9]: nothing repeats
+    # [6, 7, 8, 9, 10, 9]: the 9 at position 3 is the reply's own, and so is what follows it.
+    assert seen[3]["r"] == ([10, 9], False)
+    assert seen[3]["c"][1]  # [..., 3, 4, 5]: the prompt again
 @pytest.mark.parametrize(
     "ignore_eos, stop_token_ids, cut",
     [(False, [], 2), (True, [], None), (True, [5], 3), (False, [3], 1)],

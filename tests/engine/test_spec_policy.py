@@ -76,7 +76,8 @@ def test_policy_prices_drafts_by_the_step_cost_and_the_batch():
 def _expected_tokens(states: list[DraftState], split: list[int], proposals=None, pieces=frozenset()) -> float:
     """A step's tokens if request ``i`` verifies ``split[i]`` drafts, as the policy values them:
     a draft inside a split word (a piece, or followed by one) at the request's piece rate, a
-    run's first at its start rate unless it stands in a run, every other at its next rate."""
+    run's first at its start rate unless it stands in a run, every other at its next rate (its
+    copy rate if the proposal copies the prompt)."""
     tokens = float(len(states))
     for i, (s, k) in enumerate(zip(states, split)):
         d = proposals[i] if proposals is not None else []
@@ -85,7 +86,7 @@ def _expected_tokens(states: list[DraftState], split: list[int], proposals=None,
             if j < len(d) and (d[j] in pieces or (j + 1 < len(d) and d[j + 1] in pieces)):
                 value *= s.piece_rate
             else:
-                value *= s.next_rate if j or s.in_run else s.start_rate
+                value *= (s.copy_rate if s.from_prompt else s.next_rate) if j or s.in_run else s.start_rate
             tokens += value
     return tokens
 
@@ -107,7 +108,8 @@ def _best_split(policy: DraftPolicy, states: list[DraftState], caps: list[int], 
 _counts = st.floats(0.0, 20.0).map(lambda x: round(x, 1))
 _states = st.builds(DraftState, start_kept=_counts, start_missed=_counts.map(lambda x: x + 0.1),
                     next_kept=_counts, next_missed=_counts.map(lambda x: x + 0.1), in_run=st.booleans(),
-                    piece_kept=_counts, piece_missed=_counts.map(lambda x: x + 0.1))
+                    piece_kept=_counts, piece_missed=_counts.map(lambda x: x + 0.1),
+                    copy_kept=_counts, copy_missed=_counts.map(lambda x: x + 0.1), from_prompt=st.booleans())
 
 
 _STEP_COSTS = [
@@ -182,6 +184,31 @@ def test_drafts_are_priced_by_where_the_request_stands_in_a_run():
     assert at_start == 0 < in_run[0] and in_run == sorted(in_run) and in_run[-1] >= 4
     one_rate = DraftState.with_counts(6 * 16.0, 6 * 2.0)  # every token above, kept or missed
     assert policy.num_drafts(one_rate, 8) > 0  # at a start too: about one in two of those drafts is wasted
+
+
+def test_drafts_copying_the_prompt_are_priced_apart_from_repeats_of_the_reply():
+    """A reply that copies a text from its prompt and now and then repeats a phrase of its
+    own (the runs open-ended chat has): the copies hold, the repeats break off after a
+    token. Priced apart, inside a run at batch 8 a proposal copying the prompt drafts and a
+    repeat of the reply does not; each source's tokens count for its own rate."""
+    policy = DraftPolicy(max_k=8)  # the default (measured) step cost
+    state = DraftState()
+    for _ in range(6):
+        policy.shadow(state, [1] * 16, from_prompt=True)
+        policy.observe_tokens(state, [1] * 15 + [2])  # a long copy, then an edit
+        policy.shadow(state, [3, 4, 5, 6])
+        policy.observe_tokens(state, [3, 7])  # a repeat of the reply, kept for one token
+    assert state.next_rate < 0.1 < 0.75 < state.copy_rate
+    state.in_run = True  # inside a run
+    policy.shadow(state, [1] * 8, from_prompt=True)
+    copies = policy.allocate([state] * 8, [8] * 8, [[1] * 8] * 8)
+    policy.shadow(state, [1] * 8)
+    assert policy.allocate([state] * 8, [8] * 8, [[1] * 8] * 8) == [0] * 8 != copies
+    # A copy's miss inside a run counts against the copies only.
+    before = (state.next_kept, state.next_missed, state.copy_missed)
+    policy.shadow(state, [1, 1], from_prompt=True)
+    policy.observe_tokens(state, [2])
+    assert (state.next_kept, state.next_missed) == before[:2] and state.copy_missed > before[2]
 
 
 def test_drafts_inside_split_words_are_priced_apart():
