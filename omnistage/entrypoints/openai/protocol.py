@@ -100,6 +100,9 @@ class _SamplingFields(_Request):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # Each prompt token's logprob and the top N at its position (vLLM's ``prompt_logprobs``;
+    # answered in the response's ``prompt_logprobs``, not streamed).
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Tenant isolation (vLLM extension): requests share KV blocks and encoder outputs only
     # with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1)
@@ -232,6 +235,19 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token at one prompt position (vLLM's ``Logprob``): ``rank`` counts from 1 for the most
+    likely token and is None for a prompt token outside the top entries asked for."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first, else {token id: its entry} for the token and the top N.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
@@ -278,6 +294,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension (request field prompt_logprobs)
 
 
 class ChatDelta(BaseModel):
@@ -314,6 +331,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension (request field prompt_logprobs)
 
 
 class CompletionResponse(BaseModel):

@@ -70,6 +70,7 @@ from omnistage.entrypoints.openai.serving_common import (
     engine_failure,
     new_id,
     prepare_on_engine,
+    prompt_logprobs_of,
     record_finished,
     sse,
     template_kwargs,
@@ -130,6 +131,10 @@ class ChatServing:
             model=model,
             choices=[self._choice(c, req, audio) for c in final.outputs],
             usage=usage_of([final]),
+            prompt_logprobs=(
+                None if req.prompt_logprobs is None
+                else prompt_logprobs_of(ctx, final, req.prompt_logprobs)
+            ),
         )
         return JSONResponse(response.model_dump())
 

@@ -24,7 +24,7 @@ from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadE
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLimits
 from omnistage.entrypoints.openai.metrics import ServerMetrics
-from omnistage.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from omnistage.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -109,6 +109,9 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
     """Map request fields onto ``SamplingParams``; unsupported knobs must be neutral."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("'prompt_logprobs' is not returned in a stream: send it with 'stream' false",
+                          param="prompt_logprobs")  # fmt: skip
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
@@ -128,6 +131,7 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             logit_bias=req.logit_bias or None,
+            prompt_logprobs=req.prompt_logprobs,
             **_penalty_kwargs(req),
         )
     except ValueError as exc:
@@ -390,6 +394,24 @@ _MIN_LOGPROB = -9999.0
 
 def clamp_logprob(value: float) -> float:
     return value if value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def prompt_logprobs_of(ctx: ServingContext, out: RequestOutput, top_n: int) -> PromptLogprobs:
+    """The response's ``prompt_logprobs`` (vLLM's shape): per prompt token after the first, the
+    token and the ``top_n`` most likely at its position, keyed by token id, with ranks from 1
+    (None for a prompt token outside those ``top_n``)."""
+    result: PromptLogprobs = []
+    for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = top_entries(entry, len(entry))
+        result.append({
+            str(t): PromptLogprob(logprob=clamp_logprob(v), rank=r + 1 if r < top_n else None,
+                                  decoded_token=ctx.token_str(t))
+            for r, (t, v) in enumerate(ranked) if r < top_n or t == token
+        })  # fmt: skip
+    return result
 
 
 def top_entries(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:

@@ -39,6 +39,7 @@ from omnistage.entrypoints.openai.serving_common import (
     merge_streams,
     new_id,
     prepare_on_engine,
+    prompt_logprobs_of,
     record_finished,
     sse,
     top_entries,
@@ -132,7 +133,7 @@ class CompletionServing:
         await self._check_context(prompts, max_tokens, req.min_tokens, params_of)
         params = build_sampling_params(req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+            params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
         # Submit every prompt at once (the engine thread takes them in one turn),
         # then, if any was refused, abort the ones that got in.
         results = await asyncio.gather(
@@ -248,11 +249,15 @@ class CompletionServing:
     def _choice(
         self, index: int, out: RequestOutput, c: CompletionOutput, echo: str, req: CompletionRequest
     ) -> CompletionChoice:
-        lp = None
+        lp = prompt_lps = None
         if req.logprobs is not None:
             prompt_lp = self._prompt_logprobs(out, req.logprobs) if req.echo else None
             lp = self._logprobs(c, _ChoiceCursor(len(echo)), req.logprobs, prompt_lp)
-        return CompletionChoice(index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason)
+        if req.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_of(self.ctx, out, req.prompt_logprobs)
+        return CompletionChoice(
+            index=index, text=echo + c.text, logprobs=lp, finish_reason=c.finish_reason, prompt_logprobs=prompt_lps
+        )
 
     async def _stream(
         self,

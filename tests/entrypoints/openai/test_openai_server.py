@@ -419,3 +419,50 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(server: Server, cl
         assert chunks[-1].choices[0].finish_reason == "length"
     usage = client.completions.create(model=server.model, prompt=prompt, max_tokens=0, echo=True).usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 0)
+
+
+def test_prompt_logprobs_field_as_vllm_returns_it(server: Server, http: httpx.Client, tiny_checkpoints) -> None:
+    """vLLM's ``prompt_logprobs`` request field: per prompt token after the first, the token and the
+    top N at its position (transformers' log-softmax), keyed by token id, with ranks from 1 and the
+    decoded token; on completions per choice, on chat per response; refused with ``stream``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_checkpoints["llama"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = [5, 6, 7, 8, 9, 30, 31, 5, 6]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+    plain = http.post("/v1/completions", json=body).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None  # not asked for
+    answer = http.post("/v1/completions", json={**body, "prompt_logprobs": 2, "n": 2}).json()
+    assert answer["choices"][0]["text"] == plain["choices"][0]["text"]
+    for choice in answer["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for j in range(1, len(prompt)):
+            row, token = ref[j - 1], prompt[j]
+            top = row.topk(2).indices.tolist()
+            assert set(entries[j]) == {str(t) for t in [token, *top]}
+            for t in {token, *top}:
+                got = entries[j][str(t)]
+                assert got["logprob"] == pytest.approx(row[t].item(), abs=1e-4)
+                assert got["decoded_token"] == tok.decode([t])
+                rank = int((row > row[t]).sum()) + 1
+                assert got["rank"] == (rank if rank <= 2 else None)
+    # Beside echo's legacy logprobs (top 1), prompt_logprobs keeps its own top 3.
+    both = http.post("/v1/completions", json={**body, "prompt_logprobs": 3, "echo": True, "logprobs": 1}).json()
+    choice = both["choices"][0]
+    assert all(e is None or len(e) <= 2 for e in choice["logprobs"]["top_logprobs"][1 : len(prompt)])
+    assert all(3 <= len(e) <= 4 for e in choice["prompt_logprobs"][1:])
+    chat = http.post(
+        "/v1/chat/completions", json={"model": server.model, "messages": MSG, "max_tokens": 1, "prompt_logprobs": 1}
+    ).json()
+    entries = chat["prompt_logprobs"]
+    assert len(entries) == chat["usage"]["prompt_tokens"] and entries[0] is None and all(entries[1:])
+    refused = http.post("/v1/completions", json={**body, "prompt_logprobs": 1, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    too_many = http.post("/v1/completions", json={**body, "prompt_logprobs": 21})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
