@@ -95,7 +95,10 @@ class SamplingParams:
     those of the model's raw distribution. ``prompt_logprobs`` asks for each
     prompt token's logprob at the position before it (none for the first)
     with the top-N there; such a request reads no prefix from the KV cache,
-    whose hits skip those positions (as in vLLM).
+    whose hits skip those positions (as in vLLM). ``truncate_prompt_tokens``
+    keeps only the prompt's last ``k`` tokens (-1: as many as the context
+    holds with room for one more), so a prompt longer than the context is
+    served from its end; no part of a multimodal item may be cut off.
     """
 
     n: int = 1
@@ -119,6 +122,7 @@ class SamplingParams:
     suppress_token_ids: list[int] = field(default_factory=list)  # never sampled
     allowed_token_ids: list[int] | None = None  # None: every token may be sampled
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's range, -100..100)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: what the context holds)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -170,6 +174,12 @@ class SamplingParams:
                 "prompt_logprobs",
                 self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, INT32_MAX),
                 f"None or an integer in [0, {INT32_MAX}]",
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens is None
+                or (_int_in(self.truncate_prompt_tokens, -1, INT32_MAX) and self.truncate_prompt_tokens != 0),
+                f"None, -1 (as many as the context holds) or an integer in [1, {INT32_MAX}]",
             ),
             (
                 "repetition_penalty",

@@ -33,6 +33,7 @@ BAD = {
     "suppress_token_ids": [[-1], [HUGE], [2.5], 1],
     "allowed_token_ids": [[], [-1], [HUGE], [0.5], 2],
     "logit_bias": [{"x": 1}, {-1: 1}, {"-1": 1}, {HUGE: 1}, {1.0: 1}, {True: 1}, {1: NAN}, {1: 101}, {1: "2"}, [1], 5],
+    "truncate_prompt_tokens": [0, -2, INT32_MAX + 1, -1.0, 1.5, "4", True],
     "ignore_eos": ["false", 1, None],
     "include_stop_str_in_output": ["yes", 0],
     "skip_special_tokens": ["no", None],
@@ -57,6 +58,7 @@ GOOD = {
     "suppress_token_ids": [[], [0, 3]],
     "allowed_token_ids": [None, [0], [1, 2]],
     "logit_bias": [None, {}, {0: -100, INT32_MAX: 100}, {"5": 1.5, " 6": -2}, {np.int64(3): np.float32(0.5)}],
+    "truncate_prompt_tokens": [None, -1, 1, INT32_MAX],
 }
 
 

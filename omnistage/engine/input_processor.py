@@ -51,7 +51,11 @@ class InputProcessor:
         extra = self.mm_processor.modalities if self.mm_processor is not None else ()
         return frozenset({"text", *extra})
 
-    def process(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
+    def process(
+        self, request_id: str, prompt: PromptType | ProcessedInputs, truncate_prompt_tokens: int | None = None
+    ) -> ProcessedInputs:
+        """Tokenize ``prompt`` and expand its media; ``truncate_prompt_tokens`` (``SamplingParams``'s)
+        keeps the expanded prompt's last tokens. ``ValueError`` names the request and the problem."""
         if isinstance(prompt, ProcessedInputs):
             return prompt
         where = f"request {request_id!r}"
@@ -96,12 +100,34 @@ class InputProcessor:
             raise ValueError(f"{where}: the prompt is empty")
         if cache_salt is not None:
             features = [replace(f, identifier=salt_identifier(f.identifier, cache_salt)) for f in features]
+        if truncate_prompt_tokens is not None:
+            token_ids, features = self._truncate(where, token_ids, features, truncate_prompt_tokens)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"{where}: the prompt has {len(token_ids)} tokens; the context holds "
                 f"{self.max_model_len} (max_model_len), which leaves no room to generate"
             )
         return ProcessedInputs(text, token_ids, features, cache_salt)
+
+    def _truncate(
+        self, where: str, token_ids: list[int], features: list[MultiModalFeatureSpec], truncate: int
+    ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        """The last ``kept_prompt_tokens`` of the prompt, its items' offsets moved with them. A cut
+        that drops any part of an item is refused: an item is encoded whole, and dropping one would
+        change what the prompt refers to."""
+        cut = len(token_ids) - kept_prompt_tokens(len(token_ids), truncate, self.max_model_len)
+        if cut <= 0:
+            return token_ids, features
+        for i, f in enumerate(features):
+            if f.mm_position.offset < cut:
+                start, end = f.mm_position.offset, f.mm_position.offset + f.mm_position.length
+                raise ValueError(
+                    f"{where}: truncate_prompt_tokens={truncate} keeps the last {len(token_ids) - cut} of "
+                    f"{len(token_ids)} prompt tokens, which cuts {f.modality} item {i} (prompt positions "
+                    f"{start}..{end - 1}); multimodal items must be kept whole"
+                )
+        moved = [replace(f, mm_position=replace(f.mm_position, offset=f.mm_position.offset - cut)) for f in features]
+        return token_ids[cut:], moved
 
     def _check_ids(self, where: str, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)):
@@ -159,6 +185,14 @@ class InputProcessor:
             )
         except jinja2.TemplateError as exc:  # the template refused the conversation (raise_exception, a missing key)
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+
+
+def kept_prompt_tokens(num_tokens: int, truncate: int | None, max_model_len: int) -> int:
+    """How many of a prompt's ``num_tokens`` ``SamplingParams.truncate_prompt_tokens`` keeps
+    (-1: what the context holds with room for one generated token)."""
+    if truncate is None:
+        return num_tokens
+    return min(num_tokens, max_model_len - 1 if truncate == -1 else truncate)
 
 
 def _is_token_id(t: object, vocab_size: int) -> bool:

@@ -252,14 +252,20 @@ class StageEngine:
 
     # -- requests ------------------------------------------------------------
 
-    def process_inputs(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
+    def process_inputs(
+        self, request_id: str, prompt: PromptType | ProcessedInputs, truncate_prompt_tokens: int | None = None
+    ) -> ProcessedInputs:
         """Tokenize a prompt and process its media, touching no engine state
-        (``LLM`` processes a whole batch before queuing any of it). Items that
+        (``LLM`` processes a whole batch before queuing any of it), keeping its
+        last tokens when ``truncate_prompt_tokens`` says so. Items that
         could never be encoded (larger than the encoder cache) are refused here.
         Inputs already processed (by this call) pass through unchanged."""
         if isinstance(prompt, ProcessedInputs):
             return prompt
-        inputs = self.input_processor.process(request_id, prompt)
+        if self.spec.input_processor is None:  # a stage that takes prompts
+            inputs = self.input_processor.process(request_id, prompt, truncate_prompt_tokens)
+        else:  # the stage before's hand-off record: its ids are that stage's, never cut
+            inputs = self.input_processor.process(request_id, prompt)
         self.scheduler.check_mm_items(request_id, inputs.mm_features)
         return inputs
 
@@ -293,7 +299,7 @@ class StageEngine:
                 raise ValueError(f"request {request_id!r}: {exc}") from None
         if return_hidden_states and params.n != 1:
             raise ValueError(f"request {request_id!r}: per-token outputs need n=1, got n={params.n}")
-        inputs = self.process_inputs(request_id, prompt)
+        inputs = self.process_inputs(request_id, prompt, params.truncate_prompt_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = [
             Request(

@@ -184,7 +184,10 @@ class LLM:
                      "stream_audio": stream_audio}  # fmt: skip
         request_ids = [str(next(self._ids)) for _ in prompts]
         # Tokenize and process media first: a bad prompt raises before anything is queued.
-        processed = [engine.process_inputs(rid, prompt) for rid, prompt in zip(request_ids, prompts)]
+        processed = [
+            engine.process_inputs(rid, prompt, sp.truncate_prompt_tokens)
+            for rid, prompt, sp in zip(request_ids, prompts, params)
+        ]
         order: dict[str, int] = {}
         try:
             for i, (request_id, inputs, sp) in enumerate(zip(request_ids, processed, params)):

@@ -163,8 +163,10 @@ class DataParallelEngine:
     output_modalities = property(lambda self: self._front.output_modalities)
     voices = property(lambda self: self._front.voices)
 
-    def process_inputs(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
-        return self._front.process_inputs(request_id, prompt)
+    def process_inputs(
+        self, request_id: str, prompt: PromptType | ProcessedInputs, truncate_prompt_tokens: int | None = None
+    ) -> ProcessedInputs:
+        return self._front.process_inputs(request_id, prompt, truncate_prompt_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self._front.encode_chat(messages, *args, **kwargs)
@@ -205,7 +207,7 @@ class DataParallelEngine:
             params.check_vocab(self.vocab_size, self._front.eos_token_ids)
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: {exc}") from None
-        inputs = self.process_inputs(request_id, prompt)
+        inputs = self.process_inputs(request_id, prompt, params.truncate_prompt_tokens)
         if arrival_time is not None:
             options = {**options, "arrival_time": arrival_time}
         routed = _Routed(-1, inputs, params, options)

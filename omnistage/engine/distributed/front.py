@@ -53,11 +53,13 @@ class EngineFront:
     def tokenizer(self) -> Any:
         return self.input_processor.tokenizer
 
-    def process_inputs(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
+    def process_inputs(
+        self, request_id: str, prompt: PromptType | ProcessedInputs, truncate_prompt_tokens: int | None = None
+    ) -> ProcessedInputs:
         """``StageEngine.process_inputs``, here: the same processor and the same item check."""
         if isinstance(prompt, ProcessedInputs):
             return prompt
-        inputs = self.input_processor.process(request_id, prompt)
+        inputs = self.input_processor.process(request_id, prompt, truncate_prompt_tokens)
         if inputs.mm_features:
             if self.encoder_check is None:
                 modality = inputs.mm_features[0].modality

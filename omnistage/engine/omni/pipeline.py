@@ -155,8 +155,10 @@ class OmniPipeline:
     def input_modalities(self) -> frozenset[str]:
         return self.thinker.input_modalities
 
-    def process_inputs(self, request_id: str, prompt: PromptType | ProcessedInputs) -> ProcessedInputs:
-        return self.thinker.process_inputs(request_id, prompt)
+    def process_inputs(
+        self, request_id: str, prompt: PromptType | ProcessedInputs, truncate_prompt_tokens: int | None = None
+    ) -> ProcessedInputs:
+        return self.thinker.process_inputs(request_id, prompt, truncate_prompt_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.thinker.encode_chat(messages, *args, **kwargs)
@@ -225,7 +227,7 @@ class OmniPipeline:
             voice = self.speakers[name]  # Qwen2.5-Omni: {"bos_token": text id, ...}; Qwen3-Omni: a codec id
             bos = int(voice["bos_token"]) if isinstance(voice, dict) else int(voice)
             chosen = self._talker_params(talker_params)
-        inputs = self.thinker.process_inputs(request_id, prompt)
+        inputs = self.thinker.process_inputs(request_id, prompt, params.truncate_prompt_tokens)
         self.thinker.add_request(request_id, inputs, params, arrival_time, return_hidden_states=return_audio)
         seed = self.seed if params.seed is None else params.seed
         grids = _grid_fields(inputs.mm_features)

@@ -103,6 +103,8 @@ class _SamplingFields(_Request):
     # Each prompt token's logprob and the top N at its position (vLLM's ``prompt_logprobs``;
     # answered in the response's ``prompt_logprobs``, not streamed).
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Keep the prompt's last k tokens (-1: as many as the context holds; vLLM's; 0 is refused).
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)
     # Tenant isolation (vLLM extension): requests share KV blocks and encoder outputs only
     # with requests of the same salt.
     cache_salt: str | None = Field(None, min_length=1)

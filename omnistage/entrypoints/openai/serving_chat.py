@@ -111,7 +111,9 @@ class ChatServing:
         # The rendered ids before media placeholders expand: exact for text, a lower bound with media.
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_prompt = len(prompt.get("prompt_token_ids") or ())
-        check_context(ctx, num_prompt, max_tokens, req.min_tokens, max_tokens_param, "messages")
+        check_context(
+            ctx, num_prompt, max_tokens, req.min_tokens, max_tokens_param, "messages", req.truncate_prompt_tokens
+        )
         params = build_sampling_params(req, max_tokens, logprobs)
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt

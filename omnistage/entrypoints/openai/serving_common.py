@@ -25,6 +25,7 @@ from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLimits
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
+from omnistage.engine.input_processor import kept_prompt_tokens
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -132,6 +133,7 @@ def build_sampling_params(req: Any, max_tokens: int | None, logprobs: int | None
             skip_special_tokens=req.skip_special_tokens,
             logit_bias=req.logit_bias or None,
             prompt_logprobs=req.prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             **_penalty_kwargs(req),
         )
     except ValueError as exc:
@@ -148,6 +150,7 @@ def check_context(
     min_tokens: int | None,
     max_tokens_param: str,
     prompt_param: str,
+    truncate_prompt_tokens: int | None = None,
 ) -> None:
     """A 400 when the prompt leaves no room for what ``params`` ask (as OpenAI and vLLM
     answer), rather than a completion silently cut at the context's end.
@@ -157,15 +160,18 @@ def check_context(
     ``max_tokens`` (or ``min_tokens``) more than the context holds after the
     prompt is refused naming that field; an unset ``max_tokens`` means "up to
     the context" and needs no check. A prompt that fills the context alone is
-    refused naming the prompt, as the engine would refuse it.
+    refused naming the prompt, as the engine would refuse it. The prompt is
+    counted as ``truncate_prompt_tokens`` will leave it.
     """
     limit = ctx.max_model_len
     if limit is None:
         return
+    num_prompt_tokens = kept_prompt_tokens(num_prompt_tokens, truncate_prompt_tokens, limit)
     if num_prompt_tokens >= limit:
         raise bad_request(
             f"The prompt ('{prompt_param}') has {num_prompt_tokens} tokens; this model's context holds {limit} "
-            "tokens (max_model_len), which leaves no room to generate; shorten the prompt",
+            "tokens (max_model_len), which leaves no room to generate; shorten the prompt or set "
+            "'truncate_prompt_tokens'",
             param=prompt_param,
             code="context_length_exceeded",
         )
@@ -225,8 +231,9 @@ def engine_rejection(exc: ValueError, prompt_param: str) -> APIError:
     """A 400 for ``add_request`` refusing a request (too long, bad ids, bad params)."""
     msg = str(exc)
     lowered = msg.lower()
-    if "logit_bias" in lowered:
-        param = "logit_bias"
+    named = next((p for p in ("logit_bias", "prompt_logprobs", "truncate_prompt_tokens") if p in lowered), None)
+    if named is not None:
+        param = named
     elif "logprobs" in lowered:
         param = "logprobs"
     elif "kv blocks" in lowered:  # the pool cannot hold prompt + max_tokens at once

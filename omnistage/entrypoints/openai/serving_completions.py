@@ -130,7 +130,7 @@ class CompletionServing:
         base_id = new_id("cmpl")
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         params_of = ["prompt" if len(prompts) == 1 else f"prompt[{i}]" for i in range(len(prompts))]
-        await self._check_context(prompts, max_tokens, req.min_tokens, params_of)
+        await self._check_context(prompts, max_tokens, req, params_of)
         params = build_sampling_params(req, max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt gets its logprobs too
             params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
@@ -164,16 +164,17 @@ class CompletionServing:
         return JSONResponse(response.model_dump())
 
     async def _check_context(
-        self, prompts: list[str | list[int]], max_tokens: int | None, min_tokens: int | None, params_of: list[str]
+        self, prompts: list[str | list[int]], max_tokens: int | None, req: CompletionRequest, params_of: list[str]
     ) -> None:
-        """Refuse a prompt the context cannot hold, or ``max_tokens`` / ``min_tokens`` it
-        cannot hold after the prompt.
+        """Refuse a prompt the context cannot hold (after ``truncate_prompt_tokens``), or
+        ``max_tokens`` / ``min_tokens`` it cannot hold after the prompt.
 
         A text prompt is tokenized for this (on the front thread: a prompt of
         megabytes is refused without the engine thread ever reading it) only when
         its UTF-8 length says it might not fit: no tokenizer makes more tokens than
         bytes, plus a few special ones."""
         ctx = self.ctx
+        min_tokens = req.min_tokens
         asked = max(max_tokens or 0, min_tokens or 0, 1)  # a prompt leaves room for at least one token
         if ctx.max_model_len is None:
             return
@@ -189,7 +190,7 @@ class CompletionServing:
                 counts[i] = n
         for n, param in zip(counts, params_of):
             if n is not None:
-                check_context(ctx, n, max_tokens, min_tokens, "max_tokens", param)
+                check_context(ctx, n, max_tokens, min_tokens, "max_tokens", param, req.truncate_prompt_tokens)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

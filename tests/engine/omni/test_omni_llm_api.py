@@ -230,3 +230,14 @@ def test_prompt_logprobs_come_with_the_spoken_answer(llm: LLM, chelsie: Any, hf_
     got = [out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))]
     assert got == pytest.approx([ref[j - 1, ids[j]].item() for j in range(1, len(ids))], abs=1e-4)
     assert_nothing_held(llm)
+
+
+def test_a_truncated_prompt_speaks_as_its_kept_tokens_do(llm: LLM, chelsie: Any) -> None:
+    """``truncate_prompt_tokens`` cuts the thinker's prompt: text, codec tokens and speech are those
+    of sending the kept tokens alone."""
+    ids = chelsie.prompt_token_ids
+    longer = {"prompt_token_ids": [5, 6, 7] + ids}
+    cut = llm.generate(longer, dataclasses.replace(SP, truncate_prompt_tokens=len(ids)), speaker="Chelsie")[0]
+    assert cut.prompt_token_ids == ids and len(cut.audio) > 0
+    assert_same_answer(cut, chelsie)
+    assert_nothing_held(llm)

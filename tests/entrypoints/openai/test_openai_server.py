@@ -466,3 +466,24 @@ def test_prompt_logprobs_field_as_vllm_returns_it(server: Server, http: httpx.Cl
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
     too_many = http.post("/v1/completions", json={**body, "prompt_logprobs": 21})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_truncate_prompt_tokens_serves_a_prompt_longer_than_the_context(server: Server, http: httpx.Client) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens are read (the same completion as
+    sending them alone); without it a prompt past the context is refused with a pointer to it."""
+    context = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    long = [(7 * i) % 90 + 3 for i in range(context + 20)]
+    body = {"model": server.model, "max_tokens": 3, "temperature": 0.0}
+    cut = http.post("/v1/completions", json={**body, "prompt": long, "truncate_prompt_tokens": 16}).json()
+    alone = http.post("/v1/completions", json={**body, "prompt": long[-16:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 16 and cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    most = http.post("/v1/completions", json={**body, "prompt": long, "truncate_prompt_tokens": -1, "max_tokens": 1})
+    assert most.json()["usage"]["prompt_tokens"] == context - 1
+    refused = http.post("/v1/completions", json={**body, "prompt": long})
+    assert refused.status_code == 400 and "truncate_prompt_tokens" in refused.json()["error"]["message"]
+    zero = http.post("/v1/completions", json={**body, "prompt": long, "truncate_prompt_tokens": 0})
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
+    chat = http.post("/v1/chat/completions", json={
+        **body, "messages": [{"role": "user", "content": "word " * (2 * context)}], "truncate_prompt_tokens": 24,
+    }).json()  # fmt: skip
+    assert chat["usage"]["prompt_tokens"] == 24
