@@ -164,7 +164,9 @@ class DraftState:
     @classmethod
     def with_counts(cls, kept: float, missed: float) -> DraftState:
         """A record with one rate, ``kept / (kept + missed)``, wherever a draft stands."""
-        return cls(kept, missed, kept, missed, kept, missed, kept, missed)
+        return cls(
+            kept, missed, kept, missed, piece_kept=kept, piece_missed=missed, copy_kept=kept, copy_missed=missed
+        )
 
     @property
     def start_rate(self) -> float:

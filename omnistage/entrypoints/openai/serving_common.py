@@ -20,12 +20,12 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from omnistage.engine.input_processor import kept_prompt_tokens
 from omnistage.entrypoints.openai.engine_client import EngineClient, EngineDeadError, EngineError, EngineStepError, RequestStream
 from omnistage.entrypoints.openai.errors import APIError, bad_request
 from omnistage.entrypoints.openai.media import MediaLimits
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
-from omnistage.engine.input_processor import kept_prompt_tokens
 from omnistage.outputs import RequestOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -150,7 +150,7 @@ def check_context(
     min_tokens: int | None,
     max_tokens_param: str,
     prompt_param: str,
-    truncate_prompt_tokens: int | None = None,
+    truncate_prompt_tokens: int | None,
 ) -> None:
     """A 400 when the prompt leaves no room for what ``params`` ask (as OpenAI and vLLM
     answer), rather than a completion silently cut at the context's end.
